@@ -1,0 +1,45 @@
+"""The `dsv4debug` command line: a thin typer + rich skin over the Python API.
+
+Every command lives in dsv4debug/commands/<group>.py and calls into the API; this file only assembles them
+and maps errors to exit codes (BadInput -> 2 with one message, no traceback).
+"""
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from .errors import BadInput
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Find where a DeepSeek-V4 inference pipeline goes numerically wrong.")
+err_console = Console(stderr=True)
+
+
+def _register() -> None:
+    from .commands import captures, checkpoint, model
+    app.add_typer(checkpoint.app, name="checkpoint", help="Synthetic real-format checkpoints; inspect; verify.")
+    for module in (model, captures):
+        module.register(app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    _register()
+    try:
+        app(args=argv, standalone_mode=False)
+    except BadInput as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (typer.BadParameter, typer.Abort) as e:   # click usage errors
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(2)
+    except Exception as e:  # click.ClickException and friends carry their own exit code
+        import click
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(2)
+        raise
+    sys.exit(0)
