@@ -1,0 +1,84 @@
+"""The backend interface: one method per op of the model flow (dsv4debug/model.py).
+
+Op families group ops for bisection ("swap the candidate's attention to the reference") and for reports
+(one hop from a site to its reference op in references/ and to its kernel in kernels/).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats import QWeight
+
+# op -> (family, reference function in dsv4_references, output names after the first)
+OPS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "embed": ("embed", "(row gather of embed.weight)", ()),
+    "hc_pre": ("mhc", "mhc.hc_pre", ("post", "comb")),
+    "hc_post": ("mhc", "mhc.hc_post", ()),
+    "hc_head": ("mhc", "mhc.hc_head", ()),
+    "rms_norm": ("norm", "norm.rms_norm", ()),
+    "head_rms_norm": ("norm", "norm.head_rms_norm", ()),
+    "linear": ("linear", "linear.linear", ()),
+    "grouped_linear": ("linear", "linear.grouped_linear", ()),
+    "logits": ("head", "linear.linear_fp32", ()),
+    "rope": ("rope", "rope.apply_rope", ()),
+    "kv_cache": ("kv_cache", "attention.kv_qat", ()),
+    "compressor": ("compressor", "attention.compress", ()),
+    "indexer_q": ("indexer", "attention.indexer_q", ()),
+    "indexer_scores": ("indexer", "attention.indexer_scores", ()),
+    "indexer_topk": ("indexer", "attention.indexer_topk", ()),
+    "sparse_attn": ("attention", "attention.sparse_attn", ()),
+    "gate": ("router", "moe.gate", ("topk_ids", "scores")),
+    "expert": ("experts", "moe.expert", ()),
+    "moe_combine": ("experts", "moe.moe_combine", ()),
+}
+FAMILIES = tuple(dict.fromkeys(f for f, _, _ in OPS.values()))
+
+
+def family_of(op: str) -> str:
+    return OPS[op][0]
+
+
+class UnsupportedOp(Exception):
+    """A backend was asked for an op it does not implement (never silently replaced)."""
+
+
+class Backend:
+    """Base class: weight dequantisation with a per-stage cache, device placement, op lookup.
+
+    Subclasses implement op methods named as in OPS. `numerics` says what the backend's arithmetic is:
+    "bf16" (judged against bf16 noise floors) or "quantized" (FP8/FP4 pipelines: the runner also measures
+    how far the `sim` backend lands from the reference, so quantisation noise is not called a bug).
+    """
+    name = "base"
+    numerics = "bf16"
+
+    def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
+        self.device = torch.device(device)
+        self.dtype = dtype                      # activation dtype of a free run (bf16; fp32/fp64 twins)
+        self._cache: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def missing_ops(self) -> list[str]:
+        """Ops of the flow this backend does not implement."""
+        return [op for op in OPS if not callable(getattr(self, op, None))]
+
+    def op(self, op: str):
+        fn = getattr(self, op, None)
+        if not callable(fn):
+            raise UnsupportedOp(f"backend '{self.name}' does not implement op '{op}'")
+        return fn
+
+    def dense(self, w: QWeight | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The exact dequantised weight in `dtype` on this backend's device (cached until end_stage)."""
+        if w is None:
+            return None
+        key = (id(w), dtype)
+        if key not in self._cache:
+            self._cache[key] = w.dequantize(torch.float32, self.device).to(dtype)
+        return self._cache[key]
+
+    def param(self, w: QWeight | None) -> torch.Tensor | None:
+        """Small parameters (norm weights, mHC, sinks, biases, ape) are held in fp32 as DeepSeek does."""
+        return self.dense(w, torch.float32)
+
+    def end_stage(self) -> None:
+        self._cache.clear()

@@ -1,0 +1,122 @@
+"""Planted faults for tests and demos: `KIND@TARGET[:ARG]`.
+
+Activation faults change a site's (first) output on the side they are given to:
+  nan@SITE[:INDEX]   one element (flat INDEX, default the middle one) becomes NaN
+  inf@SITE[:INDEX]   ... +Inf
+  scale@SITE:F       the output is multiplied by F
+  noise@SITE:REL     Gaussian noise of REL x the output's RMS is added (seeded, reproducible)
+  zero@SITE          the output becomes zeros
+Weight faults change what the side reads from the checkpoint:
+  swap_experts@layers.L:A,B          experts A and B of layer L trade places (wrong packing offset)
+  swap_w13@layers.L.ffn.experts.E    w1 and w3 of one expert trade places
+  block_scale@MODULE[:K]             the first block scale of an FP8/FP4 weight is off by 2**K (default 1)
+SITE may be a glob (`layers.*.attn.kv_cache`).
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+import zlib
+from dataclasses import dataclass, replace
+
+import torch
+
+from .errors import BadInput
+from .formats import QWeight
+
+ACTIVATION_KINDS = ("nan", "inf", "scale", "noise", "zero")
+WEIGHT_KINDS = ("swap_experts", "swap_w13", "block_scale")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    target: str
+    arg: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.target}" + (f":{self.arg}" if self.arg is not None else "")
+
+    @property
+    def on_weights(self) -> bool:
+        return self.kind in WEIGHT_KINDS
+
+    def matches(self, site: str) -> bool:
+        return site == self.target or fnmatch.fnmatchcase(site, self.target)
+
+
+def parse_fault(spec: str) -> Fault:
+    m = re.fullmatch(r"(\w+)@([^:]+)(?::(.+))?", spec.strip())
+    if not m or m.group(1) not in ACTIVATION_KINDS + WEIGHT_KINDS:
+        raise BadInput(f"--inject {spec!r}: expected KIND@SITE[:ARG] with KIND one of "
+                       f"{', '.join(ACTIVATION_KINDS + WEIGHT_KINDS)}")
+    fault = Fault(m.group(1), m.group(2), m.group(3))
+    try:
+        _check_arg(fault)
+    except ValueError:
+        raise BadInput(f"--inject {spec!r}: bad argument {fault.arg!r} for {fault.kind}") from None
+    return fault
+
+
+def _check_arg(f: Fault) -> None:
+    if f.kind in ("nan", "inf") and f.arg is not None:
+        int(f.arg)
+    elif f.kind in ("scale", "noise"):
+        float(f.arg if f.arg is not None else "x")
+    elif f.kind == "swap_experts":
+        a, b = (int(v) for v in (f.arg or "").split(","))
+        if not re.fullmatch(r"(layers|mtp)\.\d+", f.target):
+            raise ValueError
+    elif f.kind == "swap_w13" and not re.fullmatch(r"(layers|mtp)\.\d+\.ffn\.experts\.\d+", f.target):
+        raise ValueError
+    elif f.kind == "block_scale" and f.arg is not None:
+        int(f.arg)
+
+
+def apply_activation_fault(f: Fault, site: str, out: torch.Tensor) -> torch.Tensor:
+    if not out.is_floating_point():
+        raise BadInput(f"--inject {f}: site '{site}' produces integer ids; only weight faults reach it")
+    out = out.clone()
+    flat = out.view(-1)
+    if f.kind in ("nan", "inf"):
+        i = int(f.arg) if f.arg is not None else flat.numel() // 2
+        if not 0 <= i < flat.numel():
+            raise BadInput(f"--inject {f}: index {i} outside site '{site}' with {flat.numel()} elements")
+        flat[i] = float("nan") if f.kind == "nan" else float("inf")
+    elif f.kind == "scale":
+        out.mul_(float(f.arg))
+    elif f.kind == "noise":
+        g = torch.Generator(device="cpu").manual_seed(zlib.crc32(site.encode()))
+        noise = torch.randn(out.shape, generator=g, dtype=torch.float32).to(out.device)
+        rms = out.float().square().mean().sqrt()
+        out.add_((noise * rms * float(f.arg)).to(out.dtype))
+    elif f.kind == "zero":
+        out.zero_()
+    return out
+
+
+def apply_weight_faults(faults: list[Fault], name: str, load) -> QWeight:
+    """Resolve module `name` through the weight faults; `load(name)` reads a clean module."""
+    for f in faults:
+        if f.kind == "swap_experts":
+            a, b = f.arg.split(",")
+            m = re.fullmatch(re.escape(f.target) + r"\.ffn\.experts\.(\d+)\.(w[123])", name)
+            if m and m.group(1) in (a, b):
+                other = b if m.group(1) == a else a
+                return replace(load(f"{f.target}.ffn.experts.{other}.{m.group(2)}"), name=name)
+        elif f.kind == "swap_w13" and name in (f"{f.target}.w1", f"{f.target}.w3"):
+            other = f"{f.target}.w3" if name.endswith("w1") else f"{f.target}.w1"
+            return replace(load(other), name=name)
+        elif f.kind == "block_scale" and name == f.target:
+            return _shift_first_scale(load(name), int(f.arg or 1))
+    return load(name)
+
+
+def _shift_first_scale(w: QWeight, k: int) -> QWeight:
+    key = {"fp8": "scale", "mxfp4": "scale", "nvfp4": "weight_scale"}.get(w.fmt)
+    if key is None:
+        raise BadInput(f"block_scale fault: module '{w.name}' is {w.fmt}, it has no block scales")
+    scale = w.tensors[key].clone()
+    first = scale.view(-1)[:1].float() * 2.0 ** k
+    scale.view(-1)[:1] = first.to(scale.dtype)
+    return replace(w, tensors={**w.tensors, key: scale})
