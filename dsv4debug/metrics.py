@@ -1,0 +1,230 @@
+"""Numerical comparison of a candidate tensor against a reference: float metrics, bf16 ULPs, index agreement.
+
+Everything is computed in float64, chunk by chunk, on the tensors' device, so memory stays bounded by one
+chunk whatever the tensor size; NaN and Inf are counted and excluded from the float metrics, never fatal.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+CHUNK_ELEMS = 1 << 22
+BF16_MANTISSA_BITS = 7
+BF16_MIN_SPACING_EXP = -133          # spacing of bf16 subnormals (and of zero): 2^-133
+
+# Order of the per-chunk values moved to the host in one transfer.
+_SUMS = ("ref_nan", "ref_inf", "cand_nan", "cand_inf", "nonfinite_mismatch", "mismatches", "compared",
+         "dot", "ref_sq", "cand_sq", "err_sq", "ulp_within_1", "ulp_within_2", "ulp_within_4")
+_MAXES = ("max_abs", "max_rel", "max_ulp")         # each followed by its flat index, ref and cand values
+
+
+def bf16_ulp(ref: torch.Tensor) -> torch.Tensor:
+    """Spacing of bf16 numbers at |ref| (float64): 2^(floor(log2|ref|) - 7), 2^-133 at and below subnormals.
+
+    At an exact power of two this is the spacing above it (the one below is half as large).
+    """
+    _, exponent = torch.frexp(ref)                  # |ref| = m * 2^exponent with m in [0.5, 1)
+    exponent = torch.where(ref == 0, BF16_MIN_SPACING_EXP, exponent - 1 - BF16_MANTISSA_BITS)
+    return torch.ldexp(torch.ones_like(ref), exponent.clamp(min=BF16_MIN_SPACING_EXP))
+
+
+class MetricAccumulator:
+    """Streams (reference, candidate) chunks in flat C order; result() gives compare()'s dict."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = tuple(shape)
+        self.sums = dict.fromkeys(_SUMS, 0.0)
+        self.maxes = {key: (-1.0, -1, math.nan, math.nan) for key in _MAXES}   # value, flat index, ref, cand
+        self.first_mismatch = -1
+
+    def update(self, ref: torch.Tensor, cand: torch.Tensor, offset: int) -> None:
+        """Add one chunk; offset is the flat index of its first element in the whole tensor."""
+        values = _chunk_values(ref.reshape(-1), cand.reshape(-1)).tolist()
+        for key, value in zip(_SUMS, values):
+            self.sums[key] += value
+        rest = values[len(_SUMS):]
+        for i, key in enumerate(_MAXES):
+            value, index, ref_value, cand_value = rest[4 * i:4 * i + 4]
+            if value > self.maxes[key][0]:
+                self.maxes[key] = (value, offset + int(index), ref_value, cand_value)
+        first = int(rest[-1])
+        if self.first_mismatch < 0 and first >= 0:
+            self.first_mismatch = offset + first
+
+    def result(self) -> dict[str, Any]:
+        s = self.sums
+        out: dict[str, Any] = {"numel": int(np.prod(self.shape)), "compared": int(s["compared"])}
+        out.update(cosine=_cosine(s["dot"], s["ref_sq"], s["cand_sq"]), rel_l2=_rel_l2(s["err_sq"], s["ref_sq"]),
+                   sqnr_db=_sqnr_db(s["ref_sq"], s["err_sq"]))
+        for key in _MAXES:
+            value, index, ref_value, cand_value = self.maxes[key]
+            has = index >= 0 and value > 0
+            out[key] = value if has else 0.0
+            out[f"{key}_index"] = self._coords(index) if has else None
+            if key == "max_abs":
+                out["max_abs_ref"], out["max_abs_cand"] = (ref_value, cand_value) if has else (None, None)
+        compared = max(s["compared"], 1)
+        for n in (1, 2, 4):
+            out[f"ulp_within_{n}"] = s[f"ulp_within_{n}"] / compared if s["compared"] else math.nan
+        for key in ("ref_nan", "ref_inf", "cand_nan", "cand_inf", "nonfinite_mismatch", "mismatches"):
+            out[key] = int(s[key])
+        out["first_mismatch_index"] = self._coords(self.first_mismatch) if self.first_mismatch >= 0 else None
+        return out
+
+    def _coords(self, flat: int) -> list[int]:
+        return [int(i) for i in np.unravel_index(flat, self.shape)] if self.shape else []
+
+
+def _chunk_values(ref: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    r, c = ref.double(), cand.double()
+    r_nan, c_nan, r_inf, c_inf = r.isnan(), c.isnan(), r.isinf(), c.isinf()
+    both = ~(r_nan | c_nan | r_inf | c_inf)
+    same_nonfinite = (r_nan & c_nan) | (r_inf & (r == c))
+    nonfinite_mismatch = ~both & ~same_nonfinite
+    mismatch = (r != c) & ~same_nonfinite
+    r0, c0 = torch.where(both, r, 0), torch.where(both, c, 0)
+    err = (c0 - r0).abs()
+    rel = torch.where(r0 != 0, err / r0.abs(), 0)
+    ulp = err / bf16_ulp(r0)
+    sums = [r_nan.sum(), r_inf.sum(), c_nan.sum(), c_inf.sum(), nonfinite_mismatch.sum(), mismatch.sum(),
+            both.sum(), (r0 * c0).sum(), (r0 * r0).sum(), (c0 * c0).sum(), (err * err).sum(),
+            (both & (ulp <= 1)).sum(), (both & (ulp <= 2)).sum(), (both & (ulp <= 4)).sum()]
+    maxes = []
+    for values in (err, rel, ulp):
+        i = values.argmax()
+        maxes += [values[i], i, r[i], c[i]]
+    first = torch.where(mismatch.any(), mismatch.to(torch.uint8).argmax(), -1)
+    return torch.stack([v.to(torch.float64) for v in (*sums, *maxes, first)]).cpu()
+
+
+def _cosine(dot: float, ref_sq: float, cand_sq: float) -> float:
+    if ref_sq == 0 or cand_sq == 0:
+        return 1.0 if ref_sq == cand_sq else 0.0
+    return dot / math.sqrt(ref_sq * cand_sq)
+
+
+def _rel_l2(err_sq: float, ref_sq: float) -> float:
+    if ref_sq == 0:
+        return 0.0 if err_sq == 0 else math.inf
+    return math.sqrt(err_sq / ref_sq)
+
+
+def _sqnr_db(ref_sq: float, err_sq: float) -> float:
+    if err_sq == 0:
+        return math.inf
+    return 10 * math.log10(ref_sq / err_sq) if ref_sq > 0 else -math.inf
+
+
+def compare(ref: torch.Tensor, cand: torch.Tensor, chunk_elems: int = CHUNK_ELEMS) -> dict[str, Any]:
+    """Metrics of cand against ref (same shape), over the elements where both are finite.
+
+    Keys: numel, compared, cosine, rel_l2, sqnr_db, max_abs (+ _index coordinates, _ref, _cand values),
+    max_rel (|err| / |ref| over ref != 0, + _index), max_ulp (+ _index) and ulp_within_1/2/4 (fractions)
+    in bf16 ULPs at the reference value, ref_nan, ref_inf, cand_nan, cand_inf, nonfinite_mismatch
+    (positions where finiteness or the non-finite value differs), mismatches (elements not bitwise equal in
+    value) and first_mismatch_index.
+    """
+    if tuple(ref.shape) != tuple(cand.shape):
+        raise ValueError(f"compare: shapes differ, reference {tuple(ref.shape)} vs candidate {tuple(cand.shape)}")
+    acc = MetricAccumulator(tuple(ref.shape))
+    ref_flat, cand_flat = ref.detach().reshape(-1), cand.detach().reshape(-1)
+    for start in range(0, ref_flat.numel(), chunk_elems):
+        acc.update(ref_flat[start:start + chunk_elems], cand_flat[start:start + chunk_elems], start)
+    return acc.result()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Index outputs (top-k ids, routing)
+# ---------------------------------------------------------------------------------------------------------
+def index_agreement(ref_ids: torch.Tensor, cand_ids: torch.Tensor, ref_scores: torch.Tensor | None = None,
+                    tie_margin: float = 0.0, chunk_elems: int = CHUNK_ELEMS) -> dict[str, Any]:
+    """Per-token set agreement of two [N, k] id tensors (-1 entries are padding).
+
+    agreement of a token = |ref ∩ cand| / max(|ref|, |cand|) (1 when both are empty). A flip is an id the
+    reference selected and the candidate did not. With ref_scores ([N, E]: the reference's score of every
+    id), flips are paired lowest-scored dropped id with best-scored added id; a pair whose reference score
+    gap is below tie_margin is a tie (a legitimate reordering of near-equal scores), the others are
+    untied flips. flip_rate = untied flips / reference selections: the error metric of index sites.
+    """
+    if ref_ids.shape != cand_ids.shape or ref_ids.dim() != 2:
+        raise ValueError(f"index_agreement: need two [N, k] tensors, got {tuple(ref_ids.shape)} "
+                         f"and {tuple(cand_ids.shape)}")
+    n, k = ref_ids.shape
+    universe = _universe(ref_ids, cand_ids, ref_scores)
+    rows = max(1, chunk_elems // max(universe, 1))
+    parts = [_agreement_rows(ref_ids[i:i + rows], cand_ids[i:i + rows], universe,
+                             None if ref_scores is None else ref_scores[i:i + rows], tie_margin)
+             for i in range(0, n, rows)]
+    agreement = torch.cat([p["agreement"] for p in parts])
+    flips = torch.cat([p["flips"] for p in parts])
+    ties = torch.cat([p["ties"] for p in parts])
+    selected = sum(int(p["selected"]) for p in parts)
+    untied = flips - ties
+    out: dict[str, Any] = {
+        "tokens": n, "k": k,
+        "agreement_mean": float(agreement.mean()) if n else 1.0,
+        "agreement_min": float(agreement.min()) if n else 1.0,
+        "agreement_min_token": int(agreement.argmin()) if n else -1,
+        "exact_tokens": float((flips == 0).double().mean()) if n else 1.0,
+        "flips": int(flips.sum()), "ties": int(ties.sum()),
+        "flip_rate": float(untied.sum()) / selected if selected else 0.0,
+        "tokens_with_untied_flips": int((untied > 0).sum()),
+        "first_untied_flip_token": int((untied > 0).to(torch.uint8).argmax()) if (untied > 0).any() else None,
+    }
+    return out
+
+
+def _universe(ref_ids: torch.Tensor, cand_ids: torch.Tensor, ref_scores: torch.Tensor | None) -> int:
+    largest = int(max(ref_ids.max(), cand_ids.max())) + 1 if ref_ids.numel() else 1
+    return max(largest, ref_scores.shape[1] if ref_scores is not None else 0)
+
+
+def _membership(ids: torch.Tensor, universe: int) -> torch.Tensor:
+    """[rows, universe] bool mask of the ids present in each row (padding -1 ignored)."""
+    mask = torch.zeros(ids.shape[0], universe + 1, dtype=torch.bool, device=ids.device)
+    mask.scatter_(1, torch.where(ids < 0, universe, ids).long(), True)
+    return mask[:, :universe]
+
+
+def _agreement_rows(ref_ids, cand_ids, universe, scores, tie_margin) -> dict[str, torch.Tensor]:
+    ref_mask, cand_mask = _membership(ref_ids, universe), _membership(cand_ids, universe)
+    common = (ref_mask & cand_mask).sum(1)
+    larger = torch.maximum(ref_mask.sum(1), cand_mask.sum(1))
+    agreement = torch.where(larger > 0, common.double() / larger.clamp(min=1).double(), 1.0)
+    dropped, added = ref_mask & ~cand_mask, cand_mask & ~ref_mask
+    flips = dropped.sum(1)
+    ties = torch.zeros_like(flips)
+    if scores is not None and bool(flips.any()):
+        ties = _tied_pairs(scores[:, :universe].double(), dropped, added, tie_margin)
+    return {"agreement": agreement, "flips": flips, "ties": ties, "selected": ref_mask.sum()}
+
+
+def _tied_pairs(scores, dropped, added, tie_margin) -> torch.Tensor:
+    """Per row: pairs (i-th lowest dropped, i-th best added) whose reference score gap < tie_margin."""
+    width = int(max(dropped.sum(1).max(), added.sum(1).max()))
+    low_dropped = torch.where(dropped, scores, torch.inf).sort(dim=1).values[:, :width]
+    best_added = torch.where(added, scores, -torch.inf).sort(dim=1, descending=True).values[:, :width]
+    gap = low_dropped - best_added
+    return (torch.isfinite(gap) & (gap < tie_margin)).sum(1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Noise floors
+# ---------------------------------------------------------------------------------------------------------
+# Smallest floor a verdict divides by, per metric. A site computed exactly in the reference (an embedding
+# lookup, a copy) has floor 0 against fp64, yet its bf16 output is still one rounding away from any other
+# correct implementation: 2^-9 is the RMS relative error of one bf16 rounding (unit roundoff 2^-8, errors
+# spread over +-u/2..u), so an error below it is never called a divergence. For index sites one untied flip
+# per 1000 selections is the same idea: below it, call it noise.
+MIN_FLOORS = {"rel_l2": 2.0 ** -9, "flip_rate": 1e-3}
+
+
+def floor_ratio(err: float, floor: float | None, min_floor: float) -> float:
+    """err in units of its noise floor ("x floor"); the floor is raised to min_floor; NaN/Inf err -> inf."""
+    if err is None or not math.isfinite(err):
+        return math.inf
+    base = max(floor if floor is not None and math.isfinite(floor) else 0.0, min_floor)
+    return err / base
