@@ -1,0 +1,242 @@
+"""Exact weight formats of DeepSeek-V4 checkpoints (dsv4-architecture.md 4.4-4.6), pure vectorised torch.
+
+* FP8 block: e4m3 weight [out, in], e8m0 scale per 128x128 block (power of two).
+* MXFP4: int8 nibble pairs [out, in/2] (low nibble = even element), e8m0 scale per 32 along `in`.
+* NVFP4: uint8 nibble pairs [out, in/2], e4m3 scale per 16 along `in`, fp32 global scale_2.
+
+Every quantiser computes its power-of-two scales with integer exponent arithmetic (no log2 rounding), so
+results are bit-identical on CPU and GPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+E4M3 = torch.float8_e4m3fn
+E8M0 = torch.float8_e8m0fnu
+FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK = 128, 32, 16
+E4M3_MAX, E2M1_MAX = 448.0, 6.0
+
+# code -> value; bit 3 is the sign
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_TABLE = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+# byte -> (value of low nibble, value of high nibble): one gather decodes two elements
+_PAIR_TABLE = torch.stack([E2M1_TABLE.repeat(16), E2M1_TABLE.repeat_interleave(16)], dim=-1)   # [256, 2]
+# midpoints between neighbouring E2M1 magnitudes; a tie rounds to the even code, which is the upper
+# neighbour at 0.75, 1.75 and 3.5 and the lower one at the others
+_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+PLAIN_FORMATS = ("bf16_plain", "f32", "i64")
+
+
+# ---- small exact helpers ---------------------------------------------------------------------------
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """2**e as float32, exact, for integer e in [-127, 127] (through the e8m0 bit pattern)."""
+    return (e.to(torch.int32) + 127).to(torch.uint8).view(E8M0).float()
+
+
+def e8m0_exponent(scale: torch.Tensor) -> torch.Tensor:
+    """Unbiased exponent of e8m0 scales, int32 (byte 255, NaN, gives 128)."""
+    return scale.view(torch.uint8).to(torch.int32) - 127
+
+
+def pow2_exponent(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Smallest integer e with amax <= qmax * 2**e, clamped to e8m0's [-127, 127]; int32.
+
+    From frexp: amax = m * 2**x, qmax = q * 2**p with m, q in [0.5, 1); then e = x - p + (m > q).
+    """
+    q, p = math.frexp(qmax)
+    m, x = torch.frexp(amax.float())
+    e = x - p + (m > q).to(torch.int32)
+    return torch.where(amax > 0, e, -127).clamp(-127, 127)
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 values (already divided by their scale) to E2M1 codes, ties to even; saturates at 6."""
+    a = x.abs()
+    code = torch.bucketize(a, _E2M1_MIDPOINTS.to(x.device), out_int32=True).to(torch.uint8)  # #midpoints < a
+    code += (a == 0.75) | (a == 1.75) | (a == 3.5)
+    return code | ((x < 0).to(torch.uint8) << 3)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] codes 0..15 -> [..., n] uint8; the even element goes in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] int8/uint8 -> [..., 2n] uint8 codes."""
+    b = packed.view(torch.uint8)
+    return torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)
+
+
+def e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] packed bytes -> [..., 2n] float32 values."""
+    table = _PAIR_TABLE.to(packed.device)
+    return table[packed.view(torch.uint8).long()].flatten(-2)
+
+
+# ---- FP8 128x128 blocks --------------------------------------------------------------------------------
+
+def _block_grid(w: torch.Tensor, block: int) -> torch.Tensor:
+    """[out, in] -> zero-padded float32 [R, block, C, block]."""
+    out, inp = w.shape
+    r, c = -(-out // block), -(-inp // block)
+    padded = F.pad(w.float(), (0, c * block - inp, 0, r * block - out))
+    return padded.view(r, block, c, block)
+
+
+def fp8_block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (e4m3 [out, in], e8m0 [ceil(out/128), ceil(in/128)]); s = 2^ceil(log2(amax/448))."""
+    out, inp = w.shape
+    grid = _block_grid(w, FP8_BLOCK)                                   # [R, 128, C, 128]
+    e = pow2_exponent(grid.abs().amax(dim=(1, 3)), E4M3_MAX)           # [R, C]
+    q = (grid * pow2(-e)[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    q = q.flatten(2).flatten(0, 1)[:out, :inp]                         # [out, in]
+    return q.contiguous(), (e + 127).to(torch.uint8).view(E8M0)
+
+
+def fp8_block_dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W[r, c] = float(w[r, c]) * 2^(scale[r//128, c//128] - 127), float32 [out, in]."""
+    out, inp = w.shape
+    c = scale.shape[1]
+    rows = scale.float().repeat_interleave(FP8_BLOCK, dim=0)[:out]     # [out, C]
+    x = w.float()
+    if inp != c * FP8_BLOCK:                                           # partial last column block
+        x = F.pad(x, (0, c * FP8_BLOCK - inp))
+    return (x.view(out, c, FP8_BLOCK) * rows[:, :, None]).flatten(1)[:, :inp]
+
+
+# ---- MXFP4: E2M1 with an e8m0 scale per 32 -------------------------------------------------------------
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [out, in/2], e8m0 [out, in/32]); scale = smallest 2^k with amax/2^k <= 6."""
+    out, inp = w.shape
+    blocks = w.float().view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK)
+    e = pow2_exponent(blocks.abs().amax(dim=-1), E2M1_MAX)              # [out, in/32]
+    codes = e2m1_encode(blocks * pow2(-e)[..., None]).view(out, inp)
+    return pack_nibbles(codes).view(torch.int8), (e + 127).to(torch.uint8).view(E8M0)
+
+
+def mxfp4_dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W[r, c] = E2M1[nibble(r, c)] * 2^(scale[r, c//32] - 127), float32 [out, in]."""
+    values = e2m1_decode(w)                                            # [out, in]
+    out, inp = values.shape
+    blocks = values.view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK) * scale.float()[..., None]
+    return blocks.view(out, inp)
+
+
+# ---- NVFP4: E2M1 with an e4m3 scale per 16 and an fp32 global scale ---------------------------------------
+
+def nvfp4_quantize(w: torch.Tensor, scale_2: float | torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (uint8 [out, in/2], e4m3 [out, in/16], fp32 scalar scale_2), ModelOpt style.
+
+    scale_2 = amax / (6 * 448) unless given; block scale = e4m3(block_amax / (6 * scale_2)).
+    """
+    out, inp = w.shape
+    blocks = w.float().view(out, inp // NVFP4_BLOCK, NVFP4_BLOCK)
+    if scale_2 is None:
+        amax = blocks.abs().amax()
+        scale_2 = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0)
+    scale_2 = torch.as_tensor(scale_2, dtype=torch.float32, device=w.device).reshape(())
+    block_amax = blocks.abs().amax(dim=-1)                             # [out, in/16]
+    ws = (block_amax / (E2M1_MAX * scale_2)).clamp(max=E4M3_MAX).to(E4M3)
+    divisor = ws.float() * scale_2
+    divisor = torch.where(divisor > 0, divisor, 1.0)                   # all-zero (or underflowed) blocks
+    codes = e2m1_encode(blocks / divisor[..., None]).view(out, inp)
+    return pack_nibbles(codes), ws, scale_2
+
+
+def nvfp4_dequantize(w: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """W[r, c] = E2M1[nibble(r, c)] * float(weight_scale[r, c//16]) * weight_scale_2, float32 [out, in]."""
+    values = e2m1_decode(w)
+    out, inp = values.shape
+    block_scale = weight_scale.float() * weight_scale_2.float()        # [out, in/16]
+    return (values.view(out, inp // NVFP4_BLOCK, NVFP4_BLOCK) * block_scale[..., None]).view(out, inp)
+
+
+NVFP4Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _cast_one(w: torch.Tensor, s: torch.Tensor, k_max: int, scale_2: torch.Tensor) -> tuple[NVFP4Triple, int]:
+    """One MXFP4 tensor -> NVFP4 with the shared scale_2 = 2^(k_max - 8); returns the triple and lossy blocks."""
+    k = e8m0_exponent(s).repeat_interleave(2, dim=-1)                   # [out, in/16], each 32-block = two 16s
+    d = k - (k_max - 8)                                                 # block scale exponent relative to scale_2
+    exact = d >= -9                                                     # 2^-9 is e4m3's smallest subnormal
+    ws = pow2(d.clamp(-9, 8)).to(E4M3)
+    packed = w.view(torch.uint8)
+    if bool(exact.all()):
+        return (packed.clone(), ws, scale_2), 0
+    # blocks too small for e4m3 relative to scale_2: re-quantise their values with data-derived scales
+    source = mxfp4_dequantize(w, s)
+    fb_packed, fb_ws, _ = nvfp4_quantize(source, scale_2)
+    ws = torch.where(exact, ws.float(), fb_ws.float()).to(E4M3)
+    packed = torch.where(exact.repeat_interleave(NVFP4_BLOCK // 2, dim=-1), packed, fb_packed)
+    out, inp = source.shape
+    changed = (nvfp4_dequantize(packed, ws, scale_2) != source).view(out, inp // NVFP4_BLOCK, NVFP4_BLOCK)
+    return (packed, ws, scale_2), int(changed.any(dim=-1).sum())
+
+
+def mxfp4_to_nvfp4(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor | None = None,
+                   s3: torch.Tensor | None = None) -> tuple[NVFP4Triple, NVFP4Triple | None, int]:
+    """Lossless MXFP4 -> NVFP4 cast (ModelOpt `--cast_mxfp4_to_nvfp4`, dsv4-architecture.md 4.6).
+
+    scale_2 = 2^(k_max - 8), k_max = largest e8m0 exponent over w1 and w3 (they share scale_2); each 16-block
+    scale is 2^(k_j - (k_max - 8)) in e4m3 and the nibbles are copied bit for bit. Blocks whose exponent is
+    more than 17 below k_max fall back to data-derived scales. Returns (nv1, nv3 or None, lossy block count).
+    """
+    k_max = int(e8m0_exponent(s1).max())
+    if s3 is not None:
+        k_max = max(k_max, int(e8m0_exponent(s3).max()))
+    scale_2 = torch.tensor(math.ldexp(1.0, k_max - 8), dtype=torch.float32, device=w1.device)
+    nv1, lossy1 = _cast_one(w1, s1, k_max, scale_2)
+    if w3 is None or s3 is None:
+        return nv1, None, lossy1
+    nv3, lossy3 = _cast_one(w3, s3, k_max, scale_2)
+    return nv1, nv3, lossy1 + lossy3
+
+
+# ---- a stored weight with its format -------------------------------------------------------------------
+
+@dataclass
+class QWeight:
+    """One module's stored tensors, keyed by suffix ('weight', 'scale', 'weight_scale', 'weight_scale_2',
+    'input_scale'; '' for a plain tensor). `fmt` as schema.ModuleSpec.fmt."""
+    name: str
+    fmt: str
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape: [out, in] for linears (in counts elements, not packed bytes)."""
+        if self.fmt in PLAIN_FORMATS:
+            return tuple(self.tensors[""].shape)
+        out, inp = self.tensors["weight"].shape
+        return (out, inp * 2) if self.fmt in ("mxfp4", "nvfp4") else (out, inp)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+                   ) -> torch.Tensor:
+        """The exact logical values (float32 arithmetic), cast to `dtype`; plain tensors are just cast."""
+        t = {k: v.to(device) if device is not None else v for k, v in self.tensors.items()}
+        if self.fmt in PLAIN_FORMATS:
+            values = t[""]
+        elif self.fmt == "fp8":
+            values = fp8_block_dequantize(t["weight"], t["scale"])
+        elif self.fmt == "mxfp4":
+            values = mxfp4_dequantize(t["weight"], t["scale"])
+        elif self.fmt == "nvfp4":
+            values = nvfp4_dequantize(t["weight"], t["weight_scale"], t["weight_scale_2"])
+        elif self.fmt == "bf16":
+            values = t["weight"]
+        else:
+            raise ValueError(f"{self.name}: unknown format {self.fmt!r}")
+        return values.to(dtype)
