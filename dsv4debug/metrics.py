@@ -147,7 +147,7 @@ def index_agreement(ref_ids: torch.Tensor, cand_ids: torch.Tensor, ref_scores: t
     reference selected and the candidate did not. With ref_scores ([N, E]: the reference's score of every
     id), flips are paired lowest-scored dropped id with best-scored added id; a pair whose reference score
     gap is below tie_margin is a tie (a legitimate reordering of near-equal scores), the others are
-    untied flips. flip_rate = untied flips / reference selections: the error metric of index sites.
+    untied (hard_flips). flip_rate = untied flips / reference selections: the error metric of index sites.
     """
     if ref_ids.shape != cand_ids.shape or ref_ids.dim() != 2:
         raise ValueError(f"index_agreement: need two [N, k] tensors, got {tuple(ref_ids.shape)} "
@@ -169,7 +169,7 @@ def index_agreement(ref_ids: torch.Tensor, cand_ids: torch.Tensor, ref_scores: t
         "agreement_min": float(agreement.min()) if n else 1.0,
         "agreement_min_token": int(agreement.argmin()) if n else -1,
         "exact_tokens": float((flips == 0).double().mean()) if n else 1.0,
-        "flips": int(flips.sum()), "ties": int(ties.sum()),
+        "flips": int(flips.sum()), "ties": int(ties.sum()), "hard_flips": int(untied.sum()),
         "flip_rate": float(untied.sum()) / selected if selected else 0.0,
         "tokens_with_untied_flips": int((untied > 0).sum()),
         "first_untied_flip_token": int((untied > 0).to(torch.uint8).argmax()) if (untied > 0).any() else None,
