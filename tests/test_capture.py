@@ -1,0 +1,370 @@
+"""Capture format v1: policies, round trips, crash safety, validation, and the inspect/report/diff commands."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dsv4debug import cli
+from dsv4debug.capture import (
+    FORMAT_VERSION,
+    CaptureReader,
+    CaptureWriter,
+    SavePolicy,
+    attribute_doc,
+    chunk_shape,
+    encode_chunk,
+)
+from dsv4debug.errors import BadInput
+
+T = 12
+
+
+def meta():
+    return {"token_ids": list(range(T)), "model_config": {"name": "tiny"}, "checkpoint": {"path": "synthetic"}}
+
+
+def run_main(*args: str) -> int:
+    """The real entry point (BadInput -> 2)."""
+    try:
+        cli.main([str(a) for a in args])
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def run_app(*args: str):
+    """The typer app in standalone mode, where typer.Exit(1) becomes exit code 1."""
+    cli._register()
+    return CliRunner().invoke(cli.app, [str(a) for a in args])
+
+
+def write_chain(path, perturb=None, policy="full"):
+    """A small two-run capture: 3 layers of 3 sites, metrics and floors, optional perturbed element."""
+    g = torch.Generator().manual_seed(0)
+    with CaptureWriter(path, meta(), policy) as w:
+        for run in ("reference", "candidate"):
+            w.begin_run(run, {"backend": run, "dtype": "bfloat16", "mode": "free"})
+        prev = []
+        for layer in range(3):
+            for name in ("attn_norm", "attn.wq_a", "ffn"):
+                site = f"layers.{layer}.{name}"
+                x = torch.randn(T, 4, 32, generator=g).bfloat16()
+                cand = x.clone()
+                if perturb and perturb[0] == site:
+                    cand[perturb[1]] += 10
+                w.record("reference", site, x, layer=layer, family=name, inputs=prev)
+                w.record("candidate", site, cand, layer=layer, family=name, inputs=prev)
+                prev = [site]
+            w.end_layer("reference", layer)
+            w.end_layer("candidate", layer)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# policy
+# ---------------------------------------------------------------------------------------------------------
+def test_policy_parsing():
+    assert not SavePolicy.parse("stats").decide("layers.0.ffn", (T, 8), True)[0]
+    assert SavePolicy.parse("full").decide("x", (T, 8), True) == (True, (0, T))
+    assert SavePolicy.parse("full").decide("x", (5, 8), False) == (True, None)
+    policy = SavePolicy.parse("tokens:0:4,sites:attn")
+    assert policy.decide("layers.1.attn.wq_a", (T, 8), True) == (True, (0, 4))
+    assert policy.decide("layers.1.ffn", (T, 8), True)[0] is False
+    # a regex with a comma inside stays one clause; several sites: clauses are OR-ed
+    policy = SavePolicy.parse("sites:experts\\.\\d{1,2}$,sites:^embed$")
+    assert policy.decide("layers.0.ffn.experts.12", (3, 8), False)[0]
+    assert policy.decide("embed", (T, 8), True)[0]
+    assert not policy.decide("layers.0.ffn.experts.123", (3, 8), False)[0]
+    assert SavePolicy.parse("tokens:8:100").decide("x", (T, 2), True) == (True, (8, T))
+
+
+@pytest.mark.parametrize("bad", ["", "everything", "tokens:4:2", "tokens:a:b", "sites:(", "stats,full"])
+def test_policy_errors_name_the_policy(bad):
+    with pytest.raises(BadInput, match="policy"):
+        SavePolicy.parse(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# round trip
+# ---------------------------------------------------------------------------------------------------------
+def test_round_trip_stats_and_tensors(tmp_path):
+    path = tmp_path / "c.h5"
+    x = torch.randn(T, 4, 300).bfloat16()
+    x[2, 1, 5] = float("nan")
+    x[3, 0, 0] = float("inf")
+    tensors = {
+        "embed": x,
+        "layers.0.attn.indexer.topk": torch.randint(-1, 50, (T, 6)),
+        "layers.0.ffn.experts.123": torch.randn(5, 7000),                 # many chunks, not token-major
+        "layers.0.attn.q_norm": torch.randn(T, 3).to(torch.float8_e4m3fn),
+        "layers.0.mask": torch.rand(T, 9) > 0.5,
+        "layers.0.scalar": torch.tensor(2.5, dtype=torch.float64),
+        "layers.0.empty": torch.zeros(0, 4),
+    }
+    with CaptureWriter(path, meta(), "full") as w:
+        w.begin_run("reference", {"backend": "reference", "dtype": "bfloat16", "mode": "free"})
+        for i, (site, t) in enumerate(tensors.items()):
+            w.record("reference", site, t, layer=-1 if i == 0 else 0, family="f", inputs=["embed"] if i else [],
+                     attrs={"note": "hi"} if i == 1 else None)
+        w.end_layer("reference", 0)
+    with CaptureReader(path) as r:
+        assert r.complete and r.runs() == ["reference"]
+        assert r.sites("reference") == list(tensors)
+        assert r.run_attrs("reference")["backend"] == "reference"
+        assert r.meta["model_config"] == {"name": "tiny"} and r.meta["token_ids"] == list(range(T))
+        for site, t in tensors.items():
+            back = r.tensor("reference", site)
+            assert back.dtype == t.dtype and back.shape == t.shape
+            if t.dtype == torch.bfloat16:      # bit-exact, NaN payload included
+                assert torch.equal(back.view(torch.int16), t.view(torch.int16))
+            else:
+                assert torch.equal(back.float().nan_to_num(), t.float().nan_to_num())
+        s = r.stats("reference", "embed")
+        finite = x.float()[torch.isfinite(x.float())]
+        assert (s["nan_count"], s["inf_count"], s["numel"]) == (1, 1, x.numel())
+        assert s["first_nonfinite"] == [2, 1, 5] and s["dtype"] == "bfloat16" and s["shape"] == [T, 4, 300]
+        assert s["min"] == finite.min().item() and s["max"] == finite.max().item()
+        assert s["mean"] == pytest.approx(finite.double().mean().item(), abs=1e-6)
+        assert s["std"] == pytest.approx(finite.double().std().item(), rel=1e-5)
+        assert s["l2"] == pytest.approx(finite.double().norm().item(), rel=1e-5)
+        site = r.site("reference", "layers.0.attn.indexer.topk")
+        assert site["inputs"] == ["embed"] and site["attrs"] == {"note": "hi"} and site["layer"] == 0
+        assert site["tensor"]["token_slice"] == [0, T]
+        assert r.hash("reference", "embed").startswith("blake2b-256:")
+        assert r.layers_completed("reference") == [0]
+
+
+def test_plain_h5py_reads_stored_tensors_and_hash(tmp_path):
+    """No dsv4debug needed: float32 data through the standard shuffle+deflate filters, hash of its bytes."""
+    import hashlib
+    path = tmp_path / "c.h5"
+    x = torch.randn(T, 2000).bfloat16()
+    for compression in ("fast", "small", "off"):
+        p = tmp_path / f"{compression}.h5"
+        with CaptureWriter(p, meta(), "full", compression=compression) as w:
+            w.record("reference", "layers.0.ffn", x, layer=0)
+        path = p
+        with h5py.File(path, "r") as f:
+            dset = f["runs/reference/sites/layers.0.ffn/tensor"]
+            data = dset[()]
+            assert dset.dtype == np.float32 and dset.compression == "gzip" and dset.shuffle
+            assert np.array_equal(data, x.float().numpy())
+            digest = hashlib.blake2b(data.tobytes(), digest_size=32).hexdigest()
+            assert dset.attrs["hash"] == f"blake2b-256:{digest}"
+            assert f.attrs["format_version"] == FORMAT_VERSION
+
+
+def test_encode_chunk_decodes_with_zlib_and_shuffle():
+    import zlib
+    chunk = np.random.default_rng(0).standard_normal((64, 100)).astype(np.float32)
+    chunk[:, :50] = 0       # all-zero byte planes in part of the data
+    for compression in ("fast", "small"):
+        data, mask = encode_chunk(chunk, compression)
+        raw = np.frombuffer(zlib.decompress(data), dtype=np.uint8).reshape(4, -1).T.copy()
+        assert mask == 0 and np.array_equal(raw.view(np.float32).reshape(chunk.shape), chunk)
+
+
+def test_chunk_shape_bounds_chunk_bytes():
+    assert chunk_shape((4096, 4, 7168), 4) == (9, 4, 7168)
+    assert chunk_shape((10, 1 << 22), 4) == (1, 1 << 18)
+    assert chunk_shape((3, 5), 8) == (3, 5)
+
+
+def test_token_slice_policy(tmp_path):
+    path = tmp_path / "c.h5"
+    x = torch.randn(T, 16)
+    with CaptureWriter(path, meta(), "tokens:2:5,sites:wq_a") as w:
+        w.record("reference", "layers.0.attn.wq_a", x, layer=0)
+        w.record("reference", "layers.0.ffn", x, layer=0)
+        w.record("reference", "layers.0.attn.compressor", torch.randn(3, 16), layer=0)
+    with CaptureReader(path) as r:
+        assert torch.equal(r.tensor("reference", "layers.0.attn.wq_a"), x[2:5])
+        assert r.site("reference", "layers.0.attn.wq_a")["tensor"]["token_slice"] == [2, 5]
+        assert r.site("reference", "layers.0.attn.wq_a")["stats"]["shape"] == [T, 16]
+        assert not r.site("reference", "layers.0.ffn")["stored"]
+        with pytest.raises(BadInput, match="statistics only"):
+            r.tensor("reference", "layers.0.ffn")
+
+
+def test_metrics_floors_verdict_round_trip(tmp_path):
+    path = tmp_path / "c.h5"
+    with CaptureWriter(path, meta()) as w:
+        w.record("reference", "embed", torch.ones(T, 4), layer=-1)
+        w.write_metrics("candidate", {"embed": {"cosine": 0.5, "max_abs_index": [1, 2], "max_rel_index": None}})
+        w.write_floors({"embed": {"rel_l2": 0.002}}, source="reference vs reference.fp64")
+        w.write_verdict({"status": "diverged", "gain": None})
+    with CaptureReader(path) as r:
+        assert r.metrics("candidate") == {"embed": {"cosine": 0.5, "max_abs_index": [1, 2]}}
+        assert r.metrics_reference("candidate") == "reference"
+        assert r.floors() == {"embed": {"rel_l2": 0.002}}
+        assert r.verdict() == {"status": "diverged", "gain": None}
+
+
+def test_record_twice_and_bad_names(tmp_path):
+    with CaptureWriter(tmp_path / "c.h5", meta()) as w:
+        w.record("reference", "embed", torch.ones(2), layer=-1)
+        with pytest.raises(BadInput, match="twice"):
+            w.record("reference", "embed", torch.ones(2), layer=-1)
+        with pytest.raises(BadInput, match="no '/'"):
+            w.record("reference", "a/b", torch.ones(2), layer=-1)
+        with pytest.raises(BadInput, match="reserved"):
+            w.record("reference", "x", torch.ones(2), layer=0, attrs={"layer": 3})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# crash safety, overwrite, validation
+# ---------------------------------------------------------------------------------------------------------
+KILLED_WRITER = textwrap.dedent("""
+    import sys, torch
+    from dsv4debug.capture import CaptureWriter
+    w = CaptureWriter(sys.argv[1], {"token_ids": list(range(64))}, "full")
+    layer = 0
+    while True:
+        for i in range(10):
+            w.record("reference", f"layers.{layer}.site{i}", torch.randn(64, 2048).bfloat16(), layer=layer)
+        w.end_layer("reference", layer)
+        print(layer, flush=True)
+        layer += 1
+""")
+
+
+def test_kill_9_leaves_readable_file_with_finished_layers(tmp_path):
+    path = tmp_path / "killed.h5"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    ended = [int(proc.stdout.readline()) for _ in range(3)]
+    proc.send_signal(signal.SIGKILL)     # while it is writing layer 3
+    proc.wait()
+    assert not path.exists()
+    with CaptureReader(f"{path}.tmp") as r:
+        assert not r.complete
+        done = r.layers_completed("reference")
+        assert done[:len(ended)] == ended
+        sites = r.sites("reference")
+        for layer in done:
+            layer_sites = [s for s in sites if s.startswith(f"layers.{layer}.")]
+            assert len(layer_sites) == 10
+            for site in layer_sites:
+                assert r.tensor("reference", site).shape == (64, 2048)
+    assert run_main("inspect", f"{path}.tmp") == 0
+
+
+def test_overwrite_refused_without_force(tmp_path):
+    path = tmp_path / "c.h5"
+    with CaptureWriter(path, meta()) as w:
+        w.record("reference", "embed", torch.ones(2), layer=-1)
+    with pytest.raises(BadInput, match="exists"):
+        CaptureWriter(path, meta())
+    with CaptureWriter(path, meta(), force=True) as w:
+        w.record("reference", "other", torch.ones(2), layer=-1)
+    with CaptureReader(path) as r:
+        assert r.sites("reference") == ["other"]
+
+
+def test_exception_in_block_leaves_incomplete_tmp(tmp_path):
+    path = tmp_path / "c.h5"
+    with pytest.raises(RuntimeError), CaptureWriter(path, meta()) as w:
+        w.record("reference", "embed", torch.ones(2), layer=-1)
+        w.end_layer("reference", -1)
+        raise RuntimeError("runner crashed")
+    assert not path.exists()
+    with CaptureReader(f"{path}.tmp") as r:
+        assert not r.complete and r.sites("reference") == ["embed"]
+    with pytest.raises(BadInput, match="unfinished"):
+        CaptureWriter(path, meta())
+
+
+def test_bad_files_are_bad_input_with_the_file_named(tmp_path):
+    good = write_chain(tmp_path / "good.h5", policy="stats")
+    not_hdf5 = tmp_path / "text.h5"
+    not_hdf5.write_text("hello")
+    truncated = tmp_path / "truncated.h5"
+    truncated.write_bytes(good.read_bytes()[:2000])
+    alien = tmp_path / "alien.h5"
+    with h5py.File(alien, "w") as f:
+        f["x"] = np.arange(3)
+    future = tmp_path / "future.h5"
+    future.write_bytes(good.read_bytes())
+    with h5py.File(future, "r+") as f:
+        f.attrs["format_version"] = 99
+    cases = {not_hdf5: "not an HDF5 file", truncated: "truncated or corrupt", alien: "not a dsv4debug capture",
+             future: "version 99", tmp_path / "missing.h5": "no such file"}
+    for path, message in cases.items():
+        with pytest.raises(BadInput, match=message) as err:
+            CaptureReader(path)
+        assert str(path) in str(err.value)
+        assert run_main("inspect", path) == 2
+        assert run_main("report", path) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# commands
+# ---------------------------------------------------------------------------------------------------------
+def test_diff_identical_captures_is_clean(tmp_path):
+    a = write_chain(tmp_path / "a.h5")
+    b = write_chain(tmp_path / "b.h5")
+    result = run_app("diff", a, b, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["clean"] and doc["counts"] == {"identical": 9}
+
+
+def test_diff_finds_one_perturbed_element(tmp_path):
+    a = write_chain(tmp_path / "a.h5")
+    b = write_chain(tmp_path / "b.h5", perturb=("layers.1.attn.wq_a", (3, 2, 7)))
+    result = run_app("diff", a, b, "--json")
+    assert result.exit_code == 1
+    doc = json.loads(result.output)
+    assert doc["first_failure"] == "layers.1.attn.wq_a"
+    bad = next(s for s in doc["sites"] if s["site"] == "layers.1.attn.wq_a")
+    assert bad["mode"] == "tensor" and bad["metrics"]["max_abs_index"] == [3, 2, 7]
+    assert bad["metrics"]["mismatches"] == 1
+    assert doc["counts"] == {"identical": 8, "exceeds": 1}
+    text = run_app("diff", a, b)
+    assert text.exit_code == 1 and "layers.1.attn.wq_a" in text.output and "[3, 2, 7]" in text.output
+
+
+def test_diff_stats_fallback_missing_sites_and_rules(tmp_path):
+    a = write_chain(tmp_path / "a.h5", policy="stats")
+    b = write_chain(tmp_path / "b.h5", policy="stats", perturb=("layers.2.ffn", (0, 0, 0)))
+    doc = json.loads(run_app("diff", a, b, "--json").output)
+    bad = next(s for s in doc["sites"] if s["site"] == "layers.2.ffn")
+    assert bad["mode"] == "stats" and bad["status"] == "exceeds"
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[default]\nrel_l2_max = 0.5\n[[rule]]\nsites = "ffn$"\nignore = true\n')
+    assert run_app("diff", a, b, "--rules", rules).exit_code == 0
+    c = tmp_path / "c.h5"
+    with CaptureWriter(c, meta()) as w:
+        w.record("candidate", "layers.0.attn_norm", torch.ones(T, 4, 32), layer=0)
+    doc = json.loads(run_app("diff", a, c, "--json").output)
+    assert doc["counts"]["only_in_a"] == 8 and not doc["clean"]
+    bad_rules = tmp_path / "bad.toml"
+    bad_rules.write_text('[[rule]]\nsites = "x"\ncosine = 3\n')
+    assert run_main("diff", a, b, "--rules", bad_rules) == 2
+
+
+def test_inspect_and_report(tmp_path):
+    path = write_chain(tmp_path / "a.h5")
+    result = run_app("inspect", path, "--json")
+    assert result.exit_code == 0
+    info = json.loads(result.output)
+    assert info["complete"] and [r["sites"] for r in info["runs"]] == [9, 9] and info["save_policy"] == "full"
+    html_path = tmp_path / "r.html"
+    result = run_app("report", path, "--html", html_path)
+    assert result.exit_code == 0 and "verdict" in result.output
+    page = html_path.read_text()
+    assert "<svg" in page and "<script" not in page and "http" not in page.replace("http://www.w3.org", "")
+
+
+def test_attribute_doc_lists_every_group():
+    doc = attribute_doc()
+    for needle in ("format_version", "layers_completed", "first_nonfinite", "token_slice", "/floors"):
+        assert needle in doc
