@@ -1,0 +1,425 @@
+"""Side-by-side runs of a candidate pipeline against the reference, stage by stage (layer streaming).
+
+Per stage (embed, each layer, head) and with that stage's weights loaded once:
+  1. the reference runs (bf16) as the primary; shadows get the reference's inputs op by op:
+     the candidate (teacher-forced per op: its *local* error) and the reference in high precision
+     (the *local* noise floor);
+  2. the reference runs free in high precision (the *accumulated* noise floor);
+  3. the candidate runs free on its own streams (the *accumulated* error);
+  4. with per-layer forcing, the candidate runs the layer on the reference's layer input.
+Every output is compared as it appears against the reference's output of the same site, then the stage's
+weights and activations are dropped.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .backends.base import Backend
+from .backends.registry import make_backend
+from .config import ModelConfig
+from .errors import BadInput
+from .execute import Executor, OpEvent, Side, WeightSource, check_faults_target_sites
+from .faults import Fault
+from .metrics import compare, index_agreement
+from .verdict import DEFAULT_BUDGET, judge, summarize
+from .model import State, stages
+
+
+# Relative-L2 error that quantised serving numerics (FP8 activations per 1x128, NVFP4 activations per 16 for
+# experts) are expected to add, per op family: e4m3 keeps 4 significant bits (relative rounding error
+# <= 2**-4, ~2.5% RMS), e2m1 keeps 2 (<= 2**-2, ~10% RMS with per-16 scales). Bars are ~2x those RMS values.
+QUANTIZED_LOCAL_BARS = {"linear": 0.06, "experts": 0.25}
+# After many layers the streams carry every op's quantisation error; a healthy FP8/FP4 pipeline stays above
+# cosine ~0.98 (field-notes.md's bar for the full attention pipeline): rel L2 ~0.2; expert outputs, with
+# NVFP4 activations on both GEMMs, twice that.
+QUANTIZED_FREE_BARS = {"experts": 0.5}
+QUANTIZED_FREE_BAR = 0.25
+
+# forced top-k sees the reference's own scores: only exactly equal scores may be ordered differently
+EXACT_TIE = 1e-30
+INDEX_SITE_SUFFIXES = ("topk_ids", "indexer.topk")
+
+
+def is_index_site(site: str) -> bool:
+    return site.endswith(INDEX_SITE_SUFFIXES)
+
+
+def scores_site_of(site: str) -> str:
+    """The site holding the scores a top-k selection was made from."""
+    return site.removesuffix("topk_ids") + "scores" if site.endswith("topk_ids") else site[:-4] + "scores"
+
+
+@dataclass
+class RunOptions:
+    candidate: str = "sim"
+    reference: str = "reference"
+    mode: str = "both"                        # free | forced | both
+    forcing: str = "op"                       # teacher-forcing granularity: op | layer
+    layers: range | None = None               # main layers to run (default all)
+    device: str = "cpu"
+    qat: bool = True                          # the QAT simulations inside model.py (KV fp8, indexer fp4)
+    floor_dtype: torch.dtype = torch.float64
+    faults: list[Fault] = field(default_factory=list)
+    budget: float = DEFAULT_BUDGET            # tolerance = budget x noise floor
+    reference_families: tuple[str, ...] = ()  # op families the candidate side runs on the reference backend
+    reference_below: int = 0                  # layers < this run entirely on the reference backend (bisect)
+
+    def __post_init__(self):
+        if self.mode not in ("free", "forced", "both"):
+            raise BadInput(f"--mode {self.mode!r}: choose free, forced or both")
+        if self.forcing not in ("op", "layer"):
+            raise BadInput(f"--forcing {self.forcing!r}: choose op or layer")
+
+
+@dataclass
+class SiteResult:
+    """Everything known about one site after a run."""
+    site: str
+    layer: int
+    family: str
+    op: str
+    order: int
+    ref_stats: dict[str, Any] = field(default_factory=dict)
+    local: dict[str, Any] | None = None       # forced candidate vs reference
+    free: dict[str, Any] | None = None        # free-running candidate vs reference
+    local_floor: float | None = None          # reference vs high-precision reference, same inputs
+    free_floor: float | None = None           # reference vs high-precision reference, both free-running
+    local_bar: float = 0.0                    # error the candidate's declared numerics add (quantisation)
+    free_bar: float = 0.0
+    nan: dict[str, dict[str, Any]] = field(default_factory=dict)   # run -> first non-finite output info
+
+    def record(self, kind: str, budget: float) -> dict[str, Any]:
+        """A verdict.py record; the quantisation bar enters as an effective floor of bar / budget."""
+        metrics = self.local if kind == "local" else self.free
+        floor = self.local_floor if kind == "local" else self.free_floor
+        if kind == "free" and floor is None:
+            floor = self.local_floor
+        bar = self.local_bar if kind == "local" else max(self.free_bar, self.local_bar)
+        eff = max(floor or 0.0, bar / budget)
+        return {"site": self.site, "layer": self.layer, "family": self.family, "op": self.op,
+                "metrics": metrics, "floor": {"rel_l2": eff} if eff else {}}
+
+    def judge(self, kind: str, budget: float) -> dict[str, Any] | None:
+        return judge(self.record(kind, budget), budget)
+
+    def to_dict(self, budget: float) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["judge_local"], d["judge_free"] = self.judge("local", budget), self.judge("free", budget)
+        return d
+
+
+def _first_nonfinite(t: torch.Tensor, ref: torch.Tensor | None) -> dict[str, Any] | None:
+    """First NaN, or Inf where the reference is finite (masked scores are -inf by design)."""
+    if not t.is_floating_point():
+        return None
+    bad = torch.isnan(t)
+    if ref is not None and ref.shape == t.shape:
+        bad |= torch.isinf(t) & torch.isfinite(ref)
+    if not bool(bad.any()):
+        return None
+    flat = int(bad.view(-1).nonzero()[0])
+    coord = [int(c) for c in torch.unravel_index(torch.tensor(flat), t.shape)]
+    return {"coord": coord, "value": float(t.view(-1)[flat]), "count": int(bad.sum())}
+
+
+def _tensor_stats(t: torch.Tensor) -> dict[str, Any]:
+    f = t.detach().float()
+    fin = f[torch.isfinite(f)]
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+            "nan": int(torch.isnan(f).sum()), "inf": int(torch.isinf(f).sum()),
+            "absmax": float(fin.abs().max()) if fin.numel() else float("nan"),
+            "rms": float(fin.square().mean().sqrt()) if fin.numel() else float("nan")}
+
+
+def _inputs_finite(inputs: list[torch.Tensor]) -> bool:
+    """No NaN in any floating input (-inf is a legitimate mask value in scores)."""
+    return not any(bool(torch.isnan(t).any()) for t in inputs if t.is_floating_point())
+
+
+class HybridBackend(Backend):
+    """The candidate with some op families (or whole layers) delegated to the reference: bisection probes."""
+
+    def __init__(self, candidate: Backend, reference: Backend, families: tuple[str, ...]):
+        super().__init__(candidate.device, candidate.dtype)
+        self.candidate, self.reference, self.families = candidate, reference, families
+        self.name = f"{candidate.name}+{reference.name}[{','.join(families)}]"
+        self.numerics = candidate.numerics
+
+    def op(self, op: str):
+        from .backends.base import family_of
+        return (self.reference if family_of(op) in self.families else self.candidate).op(op)
+
+    def end_stage(self) -> None:
+        self.candidate.end_stage()
+        self.reference.end_stage()
+
+
+class Comparator:
+    """Compares each side's outputs with the reference's as they appear, and keeps the site results."""
+
+    def __init__(self, candidate_numerics: str, budget: float, local_run: str, free_run: str,
+                 hi_local_run: str, hi_free_run: str, ref_run: str):
+        self.quantized = candidate_numerics == "quantized"
+        self.budget = budget
+        self.runs = {"ref": ref_run, "local": local_run, "free": free_run, "hi_local": hi_local_run,
+                     "hi_free": hi_free_run}
+        self.results: dict[str, SiteResult] = {}
+        self.ref_out: dict[str, torch.Tensor] = {}        # this stage's reference outputs
+        self.ids: dict[str, dict[str, torch.Tensor]] = {}  # run -> gate site -> expert ids (expert alignment)
+        self.score_err: dict[str, float] = {}              # scores site -> max |cand - ref| (free tie margin)
+        self.order = 0
+
+    # -- observer ------------------------------------------------------------------------------------
+    def observe(self, ev: OpEvent, layer: int) -> None:
+        for site, out in ev.outputs:
+            if site.endswith("topk_ids"):
+                self.ids.setdefault(ev.run, {})[site] = out
+            if ev.run == self.runs["ref"]:
+                self._observe_ref(ev, site, out, layer)
+            elif site in self.ref_out:
+                self._observe_other(ev, site, out)
+
+    def _observe_ref(self, ev: OpEvent, site: str, out: torch.Tensor, layer: int) -> None:
+        self.ref_out[site] = out
+        r = self.results.setdefault(site, SiteResult(site, layer, ev.family, ev.op, self.order))
+        self.order += 1
+        r.ref_stats = _tensor_stats(out)
+        self._set_bars(r)
+        self._note_nan(r, ev, out, self.runs["ref"], out)
+
+    def _observe_other(self, ev: OpEvent, site: str, out: torch.Tensor) -> None:
+        r = self.results[site]
+        kind = next((k for k, run in self.runs.items() if run == ev.run), None)
+        if kind is None:
+            return
+        if kind in ("local", "free"):
+            self._note_nan(r, ev, out, ev.run, self.ref_out[site])
+        ref, cand = self._aligned(site, ev.run, self.ref_out[site], out)
+        if ref is None:
+            return
+        if kind in ("hi_local", "hi_free"):
+            err = rel_l2(ref, cand) if not is_index_site(site) else 0.0
+            setattr(r, "local_floor" if kind == "hi_local" else "free_floor", _finite_or(err, 0.0))
+            return
+        if is_index_site(site):
+            m = self._index_metrics(site, ref, cand, kind)
+        else:
+            m = dict(compare(ref, cand), kind="values")
+            if kind == "free" and site.endswith("scores"):
+                self.score_err[site] = m["max_abs"] if math.isfinite(m["max_abs"]) else float("inf")
+        setattr(r, kind, m)
+
+    def _index_metrics(self, site: str, ref: torch.Tensor, cand: torch.Tensor, kind: str) -> dict[str, Any]:
+        scores = self.ref_out.get(scores_site_of(site))
+        # forced: the candidate selected from the very same scores, so only exact ties may flip;
+        # free: its scores carry its accumulated error, flips within that error are ties
+        margin = self.score_err.get(scores_site_of(site), 0.0) if kind == "free" else EXACT_TIE
+        m = index_agreement(ref, cand, scores, tie_margin=margin)
+        return dict(m, kind="index")
+
+    def _aligned(self, site: str, run: str, ref: torch.Tensor, cand: torch.Tensor):
+        """Expert outputs hold the rows of the tokens routed to that expert, which differ between free runs:
+        compare the tokens both sides routed there."""
+        if ref.shape == cand.shape:
+            return ref, cand
+        if ".ffn.experts." not in site:
+            return None, None
+        gate = site.rsplit(".experts.", 1)[0] + ".gate.topk_ids"
+        e = int(site.rsplit(".", 1)[1])
+        ref_tok = (self.ids[self.runs["ref"]][gate] == e).any(-1).nonzero().squeeze(-1).tolist()
+        cand_tok = (self.ids[run][gate] == e).any(-1).nonzero().squeeze(-1).tolist()
+        both = sorted(set(ref_tok) & set(cand_tok))
+        if not both:
+            return None, None
+        ri = {t: i for i, t in enumerate(ref_tok)}
+        ci = {t: i for i, t in enumerate(cand_tok)}
+        return ref[[ri[t] for t in both]], cand[[ci[t] for t in both]]
+
+    def _note_nan(self, r: SiteResult, ev: OpEvent, out: torch.Tensor, run: str, ref: torch.Tensor) -> None:
+        if run in r.nan:
+            return
+        bad = _first_nonfinite(out, ref)
+        if bad is not None:
+            bad["inputs_finite"] = _inputs_finite(ev.inputs)
+            bad["input_stats"] = [_tensor_stats(t) for t in ev.inputs if t.is_floating_point()]
+            r.nan[run] = bad
+
+    def _set_bars(self, r: SiteResult) -> None:
+        if self.quantized:
+            r.local_bar = QUANTIZED_LOCAL_BARS.get(r.family, 0.0)
+            r.free_bar = QUANTIZED_FREE_BARS.get(r.family, QUANTIZED_FREE_BAR)
+
+    def end_stage(self) -> None:
+        self.ref_out.clear()
+        self.ids.clear()
+
+
+def rel_l2(ref: torch.Tensor, other: torch.Tensor) -> float:
+    """||other - ref|| / ||ref|| over positions finite in both (floors need only this, and fast)."""
+    both = torch.isfinite(ref) & torch.isfinite(other)
+    r, o = ref[both].double(), other[both].double()
+    den = float(r.norm())
+    return float((o - r).norm()) / den if den > 0 else 0.0
+
+
+def _finite_or(x: float, default: float) -> float:
+    return x if math.isfinite(x) else default
+
+
+@dataclass
+class RunResult:
+    config: ModelConfig
+    options: RunOptions
+    sites: list[SiteResult]
+    logits: dict[str, torch.Tensor]
+    verdict: dict[str, Any]
+    timings: dict[str, float]
+    missing_ops: list[str]
+
+    @property
+    def diverged(self) -> bool:
+        return self.verdict["status"] in ("nan", "diverged")
+
+
+def _verdict(results: list[SiteResult], candidate_runs: list[str], budget: float) -> dict[str, Any]:
+    """NaN origin from the live finiteness of each op's inputs; divergences by verdict.summarize."""
+    nan_origin = None
+    for run in candidate_runs:          # forced first: it pins the op even when the NaN spreads downstream
+        r = next((r for r in results if run in r.nan and r.nan[run]["inputs_finite"]), None)
+        if r is not None:
+            nan_origin = {"site": r.site, "run": run, "layer": r.layer, "family": r.family, **r.nan[run]}
+            break
+    free = [r.record("free", budget) for r in results if r.free is not None]
+    local = [r.record("local", budget) for r in results if r.local is not None]
+    v = summarize(free, local, budget)
+    v["nan_origin"] = nan_origin
+    if nan_origin:
+        v["status"] = "nan"
+        v["message"] = (f"NaN/Inf first produced by {nan_origin['site']} ({nan_origin['run']}) "
+                        f"from finite inputs; " + v["message"])
+    return v
+
+
+def parse_layers(text: str | None, cfg: ModelConfig) -> range | None:
+    """'A:B' (python slice of main layers), 'A' (one layer) or None (all)."""
+    if not text:
+        return None
+    try:
+        parts = [int(p) if p else None for p in text.split(":")]
+        rng = range(cfg.n_layers)[slice(*parts)] if len(parts) > 1 else range(parts[0], parts[0] + 1)
+    except (ValueError, TypeError):
+        raise BadInput(f"--layers {text!r}: expected A:B or A") from None
+    if not rng or rng.start >= cfg.n_layers or rng.start < 0:
+        raise BadInput(f"--layers {text!r}: the model has layers 0..{cfg.n_layers - 1}")
+    return rng
+
+
+RECORDED_RUNS = ("reference", "candidate", "candidate.forced")
+
+
+def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
+        progress: Callable[[str, int, int], None] | None = None,
+        stage_done: Callable[[int], None] | None = None) -> RunResult:
+    """Run reference and candidate side by side, stage by stage.
+
+    recorder(event, layer) receives every output of the reference, candidate and forced-candidate runs
+    (e.g. a capture writer); progress(stage_name, index, total) is called before each stage and
+    stage_done(layer) after each compared stage (-1 embed, n_layers head).
+    With opts.layers = A:B, layers below A run on the reference only (both sides start layer A from the
+    reference's streams) and the head runs only when B is the last layer.
+    """
+    cfg = checkpoint.config
+    dev = opts.device
+    ids = token_ids.to(dev)
+    candidate = make_backend(opts.candidate, dev)
+    reference = make_backend(opts.reference, dev)
+    cand_backend: Backend = candidate
+    if opts.reference_families:
+        cand_backend = HybridBackend(candidate, make_backend(opts.reference, dev), opts.reference_families)
+    hi_dtype = opts.floor_dtype
+
+    def side(run: str, backend: Backend, faults=()) -> Side:
+        return Side(run, backend, WeightSource(checkpoint, list(faults)), list(faults))
+
+    ref_side = side("reference", reference)
+    hi = "reference." + str(hi_dtype).removeprefix("torch.").replace("float", "fp")
+    hi_local = side(hi + ".local", make_backend(opts.reference, dev, hi_dtype))
+    hi_free = side(hi, make_backend(opts.reference, dev, hi_dtype))
+    cand_forced = side("candidate.forced", cand_backend, opts.faults)
+    cand_free = side("candidate", cand_backend, opts.faults)
+    cand_below = side("candidate", make_backend(opts.reference, dev))      # bisect: layers below k
+    do_forced = opts.mode in ("forced", "both")
+    do_free = opts.mode in ("free", "both")
+
+    cmp = Comparator(candidate.numerics, opts.budget, "candidate.forced", "candidate", hi_local.run,
+                     hi_free.run, ref_side.run)
+    layers = opts.layers or range(cfg.n_layers)
+    check_faults_target_sites(opts.faults, site_names(cfg, ids.numel(), layers))
+    all_stages = [s for s in stages(cfg, ids.numel(), dev, opts.qat)
+                  if s.layer < layers.stop or layers.stop == cfg.n_layers]
+
+    st_ref = st_hi = st_cand = State(ids)
+    timings: dict[str, float] = {}
+    for n, stage in enumerate(all_stages):
+        if progress:
+            progress(stage.name, n, len(all_stages))
+        if 0 <= stage.layer < layers.start or (stage.layer < 0 and layers.start > 0):
+            st_ref = st_hi = st_cand = _run_stage(stage, ref_side, st_ref, None)     # warm-up: reference only
+            continue
+
+        def observer(ev: OpEvent, layer=stage.layer) -> None:
+            cmp.observe(ev, layer)
+            if recorder is not None and ev.run in RECORDED_RUNS:
+                recorder(ev, layer)
+
+        shadows = [(cand_forced, candidate.dtype)] if do_forced and opts.forcing == "op" else []
+        shadows.append((hi_local, hi_dtype))
+        t0 = time.perf_counter()
+        new_ref = _run_stage(stage, ref_side, st_ref, observer, shadows)
+        _add(timings, "reference+shadows", t0)
+        if do_free:
+            t0 = time.perf_counter()
+            st_hi = _run_stage(stage, hi_free, st_hi, observer)
+            _add(timings, "floor", t0)
+            t0 = time.perf_counter()
+            below = stage.layer < opts.reference_below
+            st_cand = _run_stage(stage, cand_below if below else cand_free, st_cand, observer)
+            _add(timings, "candidate", t0)
+        if do_forced and opts.forcing == "layer":
+            _run_stage(stage, cand_forced, st_ref, observer)
+        st_ref = new_ref
+        cmp.end_stage()
+        if stage_done:
+            stage_done(stage.layer)
+    results = sorted(cmp.results.values(), key=lambda r: r.order)
+    runs = (["candidate.forced"] if do_forced else []) + (["candidate"] if do_free else [])
+    logits = {"reference": st_ref.h} | ({"candidate": st_cand.h} if do_free else {})
+    return RunResult(cfg, opts, results, logits, _verdict(results, runs, opts.budget), timings,
+                     candidate.missing_ops())
+
+
+def _run_stage(stage, side: Side, state: State, observer, shadows=()) -> State:
+    ex = Executor(side, list(shadows), observer)
+    out = stage.run(ex, state)
+    ex.end_stage()
+    return out
+
+
+def _add(timings: dict[str, float], key: str, t0: float) -> None:
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
+
+
+def site_names(cfg: ModelConfig, seqlen: int = 8, layers: range | None = None) -> list[str]:
+    """Every site of a forward (meta tensors: no compute), in execution order, for validation and docs."""
+    return [s["site"] for s in site_table(cfg, seqlen, layers)]
+
+
+def site_table(cfg: ModelConfig, seqlen: int = 8, layers: range | None = None) -> list[dict[str, Any]]:
+    """Sites with op, family and output shape/dtype from a dry run of the flow on the shape-only backend."""
+    from .backends.shapes import trace_sites
+    return trace_sites(cfg, seqlen, layers)
