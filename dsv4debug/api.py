@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 
 from . import __version__
-from .checkpoint import Checkpoint, default_checkpoint
+from .checkpoint import Checkpoint
+from .synth import default_checkpoint
 from .errors import BadInput
 from .execute import Executor, OpEvent, Side, WeightSource
 from .faults import Fault, parse_fault

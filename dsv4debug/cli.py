@@ -14,7 +14,7 @@ from .errors import BadInput
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Find where a DeepSeek-V4 inference pipeline goes numerically wrong.")
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def _register() -> None:
@@ -27,19 +27,14 @@ def _register() -> None:
 def main(argv: list[str] | None = None) -> None:
     _register()
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)   # click returns typer.Exit codes here
     except BadInput as e:
         err_console.print(f"[bold red]error:[/] {e}", highlight=False)
         sys.exit(2)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except (typer.BadParameter, typer.Abort) as e:   # click usage errors
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+    except typer.Abort:
+        err_console.print("aborted")
         sys.exit(2)
-    except Exception as e:  # click.ClickException and friends carry their own exit code
-        import click
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(2)
-        raise
-    sys.exit(0)
+    except typer.TyperException as e:               # usage errors: bad option, missing argument
+        e.show()
+        sys.exit(2)
+    sys.exit(rc if isinstance(rc, int) else 0)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .backends.base import Backend
+from .backends.base import Backend, family_of
 from .backends.registry import make_backend
 from .config import ModelConfig
 from .errors import BadInput
@@ -151,7 +151,6 @@ class HybridBackend(Backend):
         self.numerics = candidate.numerics
 
     def op(self, op: str):
-        from .backends.base import family_of
         return (self.reference if family_of(op) in self.families else self.candidate).op(op)
 
     def end_stage(self) -> None:
@@ -341,6 +340,11 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
     cand_backend: Backend = candidate
     if opts.reference_families:
         cand_backend = HybridBackend(candidate, make_backend(opts.reference, dev), opts.reference_families)
+    missing = [op for op in candidate.missing_ops() if family_of(op) not in opts.reference_families]
+    if missing:
+        fams = sorted({family_of(op) for op in missing})
+        raise BadInput(f"backend '{opts.candidate}' does not implement {', '.join(missing)}; it never falls "
+                       f"back silently: delegate explicitly with --reference-ops {','.join(fams)}")
     hi_dtype = opts.floor_dtype
 
     def side(run: str, backend: Backend, faults=()) -> Side:

@@ -1,0 +1,219 @@
+"""Commands that run the model: run, bisect, sites, doctor."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .. import api
+from ..backends.base import FAMILIES
+from ..errors import BadInput
+
+console = Console(stderr=True)
+out = Console()
+
+CheckpointArg = typer.Argument(None, help="Checkpoint directory (default: the embedded tiny model).")
+
+
+def _progress(enabled: bool):
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), console=console, transient=True, disable=not enabled)
+
+
+def _stage_callback(progress: Progress):
+    task = None
+
+    def cb(stage: str, i: int, total: int) -> None:
+        nonlocal task
+        if task is None:
+            task = progress.add_task(stage, total=total)
+        progress.update(task, completed=i, description=stage)
+    return cb
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return "inf" if math.isinf(x) else f"{x:.{digits}g}"
+    return str(x)
+
+
+def _print_verdict(v: dict[str, Any], missing: list[str], candidate: str) -> None:
+    colour = {"clean": "green", "diverged": "red", "nan": "bold red"}.get(v["status"], "yellow")
+    out.print(f"[{colour}]{v['status'].upper()}[/]: {v['message']}", highlight=False)
+    if missing:
+        out.print(f"[yellow]backend '{candidate}' does not implement: {', '.join(missing)}[/]")
+    t = Table(title="verdict", show_lines=False)
+    for col in ("", "site", "layer", "family", "error", "x floor", "tolerance"):
+        t.add_column(col)
+    n = v.get("nan_origin")
+    if n:
+        t.add_row("NaN origin", n["site"], _fmt(n["layer"]), n["family"], f"{n['count']} non-finite",
+                  f"first at {n['coord']}", n["run"])
+    for label, key in (("bug (local)", "first_local_divergence"), ("symptom (free)", "first_divergence")):
+        d = v.get(key)
+        if d:
+            t.add_row(label, d["site"], _fmt(d["layer"]), d["family"], _fmt(d["error"]), _fmt(d["x_floor"]),
+                      _fmt(d["tolerance"]))
+    if v.get("gain") is not None:
+        t.add_row("gain", "", "", "", "", _fmt(v["gain"]), "")
+    if t.row_count:
+        out.print(t)
+    worst = v.get("worst_local") or v.get("worst") or []
+    if worst:
+        w = Table(title="worst sites (x floor)")
+        for col in ("site", "family", "error", "floor", "x floor"):
+            w.add_column(col)
+        for row in worst[:8]:
+            w.add_row(row["site"], row["family"], _fmt(row["error"]), _fmt(row["floor"]), _fmt(row["x_floor"]))
+        out.print(w)
+
+
+def run(checkpoint: Optional[Path] = CheckpointArg,
+        tokens: Optional[str] = typer.Option(None, help="Comma-separated token ids."),
+        prompt: Optional[str] = typer.Option(None, help="Text (needs tokenizer.json and transformers)."),
+        seq_len: Optional[int] = typer.Option(None, help="Pseudo-random token ids of this length (default 256)."),
+        candidate: str = typer.Option("sim", help="Candidate backend (reference, sim, kernels, or a plugin)."),
+        reference: str = typer.Option("reference", help="Reference backend."),
+        mode: str = typer.Option("both", help="free | forced | both."),
+        forcing: str = typer.Option("op", help="Teacher forcing granularity: op | layer."),
+        layers: Optional[str] = typer.Option(None, help="Main layers to compare, A:B (earlier ones run on the reference)."),
+        device: str = typer.Option("cpu", help="cpu | cuda."),
+        capture: Optional[Path] = typer.Option(None, help="Write an HDF5 capture here."),
+        save: str = typer.Option("stats", help="stats | full | tokens:A:B | sites:REGEX (comma-combinable)."),
+        force: bool = typer.Option(False, help="Overwrite an existing capture."),
+        inject: list[str] = typer.Option([], help="Plant a fault KIND@SITE[:ARG] in the candidate (repeatable)."),
+        reference_ops: Optional[str] = typer.Option(None, help="Op families the candidate runs on the reference, "
+                                                    f"explicitly ({', '.join(FAMILIES)})."),
+        qat: bool = typer.Option(True, help="QAT simulations (KV fp8, indexer fp4) in model.py."),
+        budget: Optional[float] = typer.Option(None, help="Tolerance in multiples of the noise floor (default 8)."),
+        json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+        ) -> None:
+    """Run reference and candidate side by side and name where NaN or divergence starts."""
+    model = api.open_model(checkpoint)
+    ids = api.make_tokens(model, tokens, prompt, seq_len)
+    fams = tuple(f for f in (reference_ops or "").split(",") if f)
+    unknown = [f for f in fams if f not in FAMILIES]
+    if unknown:
+        raise BadInput(f"--reference-ops: unknown family {unknown[0]!r}; families: {', '.join(FAMILIES)}")
+    if capture is not None and capture.exists() and not force:
+        raise BadInput(f"{capture} exists; pass --force to overwrite it")
+    with _progress(not json_out and sys.stderr.isatty()) as progress:
+        result = api.run(model, ids, candidate=candidate, reference_backend=reference, mode=mode, forcing=forcing,
+                         layers=layers, device=device, qat=qat, inject=inject, budget=budget, capture=capture,
+                         save=save, force=force, reference_families=fams, progress=_stage_callback(progress))
+    if json_out:
+        doc = {"verdict": result.verdict, "missing_ops": result.missing_ops, "timings_s": result.timings,
+               "capture": str(capture) if capture else None,
+               "sites": [r.to_dict(result.options.budget) for r in result.sites]}
+        out.print_json(json.dumps(doc, default=_json_default))
+    else:
+        _print_verdict(result.verdict, result.missing_ops, candidate)
+        if capture:
+            out.print(f"capture written: {capture}")
+    raise typer.Exit(1 if result.diverged else 0)
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return str(x)
+
+
+def bisect(checkpoint: Optional[Path] = CheckpointArg,
+           tokens: Optional[str] = typer.Option(None, help="Comma-separated token ids."),
+           seq_len: Optional[int] = typer.Option(None, help="Pseudo-random token ids of this length (default 256)."),
+           candidate: str = typer.Option("sim", help="Candidate backend."),
+           reference: str = typer.Option("reference", help="Reference backend."),
+           axis: str = typer.Option("layers", help="layers | ops | both."),
+           device: str = typer.Option("cpu", help="cpu | cuda."),
+           inject: list[str] = typer.Option([], help="Plant a fault KIND@SITE[:ARG] in the candidate."),
+           qat: bool = typer.Option(True, help="QAT simulations in model.py."),
+           budget: Optional[float] = typer.Option(None, help="Tolerance in multiples of the logits' noise floor."),
+           json_out: bool = typer.Option(False, "--json", help="Print the whole search as JSON."),
+           ) -> None:
+    """Binary search over layers, or knockout over op families, judged on the final logits."""
+    from ..bisect import bisect as run_bisect
+    from ..faults import parse_fault
+    model = api.open_model(checkpoint)
+    ids = api.make_tokens(model, tokens, None, seq_len)
+
+    def show(p) -> None:
+        if not json_out:
+            mark = "[red]diverges[/]" if p.diverged else "[green]clean[/]"
+            out.print(f"probe: {p.what:<45} rel_l2 {_fmt(p.rel_l2)} (tol {_fmt(p.tolerance)}) {mark}",
+                      highlight=False)
+
+    kw = {"budget": budget} if budget is not None else {}
+    results = run_bisect(model, ids, candidate, axis, reference=reference, device=device, qat=qat,
+                         faults=[parse_fault(f) for f in inject], on_probe=show, **kw)
+    if json_out:
+        out.print_json(json.dumps([r.to_dict() for r in results], default=_json_default))
+    else:
+        for r in results:
+            out.print(f"[bold]{r.axis}[/]: {r.message}", highlight=False)
+    found = any(r.culprit_stage or r.culprit_families is not None for r in results)
+    raise typer.Exit(1 if found else 0)
+
+
+def sites(preset: Optional[str] = typer.Option(None, help="tiny | flash | pro (default: the checkpoint's)."),
+          checkpoint: Optional[Path] = typer.Option(None, help="Checkpoint directory."),
+          seq_len: int = typer.Option(256, help="Sequence length for the shapes."),
+          json_out: bool = typer.Option(False, "--json")) -> None:
+    """Every site of the forward with op, family, reference op, shape and dtype (generated from the flow)."""
+    from ..config import preset as make_preset
+    from ..runner import site_table
+    cfg = make_preset(preset) if preset else api.open_model(checkpoint).config
+    table = site_table(cfg, seq_len)
+    if json_out:
+        out.print_json(json.dumps(table))
+        return
+    t = Table(title=f"{len(table)} sites of {cfg.name} at {seq_len} tokens")
+    for col in ("site", "op", "family", "shape", "dtype", "reference op"):
+        t.add_column(col)
+    for row in table:
+        t.add_row(row["site"], row["op"], row["family"], str(row["shape"]), row["dtype"], row["reference"])
+    out.print(t)
+
+
+def doctor(json_out: bool = typer.Option(False, "--json")) -> None:
+    """The environment: Python, torch, CUDA GPU, CuTeDSL."""
+    import platform
+
+    import torch
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info |= {"gpu": p.name, "sm": f"sm_{p.major}{p.minor}", "gpu_memory_gib": round(p.total_memory / 2**30, 1)}
+    try:
+        from importlib.metadata import version
+        info["cutedsl"] = version("nvidia-cutlass-dsl")
+    except Exception:
+        info["cutedsl"] = "not installed"
+    from ..backends.registry import available
+    info["backends"] = available()
+    if json_out:
+        out.print_json(json.dumps(info))
+        return
+    t = Table(title="dsv4debug doctor")
+    t.add_column("item")
+    t.add_column("value")
+    for k, v in info.items():
+        t.add_row(k, json.dumps(v) if isinstance(v, dict) else str(v))
+    out.print(t)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(run)
+    app.command()(bisect)
+    app.command()(sites)
+    app.command()(doctor)
