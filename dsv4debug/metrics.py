@@ -22,13 +22,14 @@ _MAXES = ("max_abs", "max_rel", "max_ulp")         # each followed by its flat i
 
 
 def bf16_ulp(ref: torch.Tensor) -> torch.Tensor:
-    """Spacing of bf16 numbers at |ref| (float64): 2^(floor(log2|ref|) - 7), 2^-133 at and below subnormals.
+    """Spacing of bf16 numbers at |ref| (float64 in, float64 out): 2^(floor(log2|ref|) - 7), and 2^-133 at
+    and below bf16's subnormals. At an exact power of two this is the spacing above it (below it is half).
 
-    At an exact power of two this is the spacing above it (the one below is half as large).
+    Built from the float64 exponent bits, which costs a few integer passes instead of frexp/ldexp.
     """
-    _, exponent = torch.frexp(ref)                  # |ref| = m * 2^exponent with m in [0.5, 1)
-    exponent = torch.where(ref == 0, BF16_MIN_SPACING_EXP, exponent - 1 - BF16_MANTISSA_BITS)
-    return torch.ldexp(torch.ones_like(ref), exponent.clamp(min=BF16_MIN_SPACING_EXP))
+    biased = (ref.view(torch.int64) >> 52) & 0x7FF
+    spacing = (biased - BF16_MANTISSA_BITS).clamp(min=1023 + BF16_MIN_SPACING_EXP)
+    return (spacing << 52).view(torch.float64)
 
 
 class MetricAccumulator:

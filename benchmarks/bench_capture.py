@@ -1,0 +1,163 @@
+"""Capture I/O benchmark: every number is a ratio against a baseline measured in the same run.
+
+1. full-capture write rate vs a raw sequential write of the same bytes (numpy tofile + fsync);
+2. diff read rate (stream_compare over every site of two captures) vs plain h5py reads of the same datasets;
+3. stats-only capture overhead vs the same forward-like loop of matmuls without capture.
+
+Rates count the tensors' own bytes (bf16: 2 per element) moved per second. Reads hit the page cache for
+both sides alike (the files were just written), so they measure decode and compare cost, not the disk.
+
+    python benchmarks/bench_capture.py [--device cuda] [--mib 512] [--dir SCRATCH_ON_THE_DISK]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import h5py
+import torch
+
+from dsv4debug.capture import CaptureReader, CaptureWriter
+from dsv4debug.diff import stream_compare
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def activations(mib: int, tokens: int, dim: int, device: str) -> list[torch.Tensor]:
+    """bf16 [tokens, 4, dim] tensors (the hidden-stream shape) adding up to `mib` MiB."""
+    per = tokens * 4 * dim * 2
+    g = torch.Generator(device=device).manual_seed(0)
+    return [torch.randn(tokens, 4, dim, generator=g, device=device).bfloat16() for _ in range(max(1, mib * 2**20 // per))]
+
+
+def raw_write(path: Path, tensors: list[torch.Tensor], device: str) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for t in tensors:
+            t.cpu().view(torch.int16).numpy().tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def capture_write(path: Path, tensors: list[torch.Tensor], tokens: int, device: str, compression: str) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    with CaptureWriter(path, {"token_ids": list(range(tokens))}, "full", force=True, compression=compression) as w:
+        for i, t in enumerate(tensors):
+            w.record("reference", f"layers.{i}.ffn", t, layer=i)
+    return time.perf_counter() - t0        # close() includes the fsync
+
+
+def raw_read(a: Path, b: Path) -> float:
+    t0 = time.perf_counter()
+    for path in (a, b):
+        with h5py.File(path, "r") as f:
+            for group in f["runs/reference/sites"].values():
+                group["tensor"][()]
+    return time.perf_counter() - t0
+
+
+def diff_read(a: Path, b: Path) -> float:
+    t0 = time.perf_counter()
+    with CaptureReader(a) as ra, CaptureReader(b) as rb:
+        for site in ra.sites("reference"):
+            stream_compare(ra, rb, "reference", "reference", site)
+    return time.perf_counter() - t0
+
+
+def forward_loop(layers: int, sites: int, tokens: int, dim: int, device: str, writer=None) -> float:
+    g = torch.Generator(device=device).manual_seed(1)
+    weights = [torch.randn(dim, dim, generator=g, device=device).bfloat16() / dim ** 0.5 for _ in range(sites)]
+    h = torch.randn(tokens, dim, generator=g, device=device).bfloat16()
+    sync(device)
+    t0 = time.perf_counter()
+    for layer in range(layers):
+        for s, w in enumerate(weights):
+            h = torch.nn.functional.rms_norm(h @ w, (dim,))
+            if writer is not None:
+                writer.record("reference", f"layers.{layer}.site{s}", h, layer=layer)
+        if writer is not None:
+            writer.end_layer("reference", layer)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def stats_overhead(path: Path, args) -> dict[str, float]:
+    shape = (args.layers, args.sites, args.tokens, args.dim, args.device)
+    forward_loop(1, *shape[1:])                                     # warm up kernels and allocator
+    plain = min(forward_loop(*shape) for _ in range(3))
+    captured = []
+    for _ in range(3):
+        with CaptureWriter(path, {"token_ids": list(range(args.tokens))}, "stats", force=True) as w:
+            captured.append(forward_loop(*shape, writer=w))
+    return {"plain_s": plain, "stats_capture_s": min(captured), "overhead": min(captured) / plain - 1}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--mib", type=int, default=512, help="bf16 tensor bytes written by the full capture")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--sites", type=int, default=8)
+    p.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
+    p.add_argument("--out", default=None, help="default: results/capture.json on cpu, capture_<device>.json else")
+    args = p.parse_args()
+    name = "capture.json" if args.device == "cpu" else f"capture_{args.device.replace(':', '')}.json"
+    args.out = args.out or str(Path(__file__).parent / "results" / name)
+
+    tensors = activations(args.mib, args.tokens, args.dim * 2, args.device)
+    nbytes = sum(t.numel() * 2 for t in tensors)
+    results: dict = {"device": args.device, "host": platform.node(), "cpus": os.cpu_count(),
+                     "torch": torch.__version__, "tensor_mib": nbytes / 2**20, "args": vars(args)}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        tmp = Path(tmp)
+        raw = min(raw_write(tmp / "raw.bin", tensors, args.device) for _ in range(2))
+        results["raw_write_mib_s"] = nbytes / raw / 2**20
+        for compression in ("fast", "small"):
+            t = capture_write(tmp / f"{compression}.h5", tensors, args.tokens, args.device, compression)
+            stored = (tmp / f"{compression}.h5").stat().st_size
+            results[f"capture_{compression}"] = {"write_mib_s": nbytes / t / 2**20, "vs_raw": raw / t,
+                                                 "file_mib": stored / 2**20}
+        capture_write(tmp / "fast_b.h5", tensors, args.tokens, args.device, "fast")
+        # both files hold equal data but diff must read it: stream_compare is what diff runs when hashes differ
+        raw_r = min(raw_read(tmp / "fast.h5", tmp / "fast_b.h5") for _ in range(2))
+        diff_r = min(diff_read(tmp / "fast.h5", tmp / "fast_b.h5") for _ in range(2))
+        results["diff_read"] = {"raw_h5py_mib_s": 2 * nbytes / raw_r / 2**20,
+                                "diff_mib_s": 2 * nbytes / diff_r / 2**20, "vs_raw": raw_r / diff_r}
+        results["stats_only"] = stats_overhead(tmp / "stats.h5", args)
+    print_table(results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+def print_table(r: dict) -> None:
+    rows = [("raw sequential write (tofile+fsync)", f"{r['raw_write_mib_s']:.0f} MiB/s", "1.00"),
+            *((f"full capture, compression={c}", (f"{r[f'capture_{c}']['write_mib_s']:.0f} MiB/s "
+               f"({r[f'capture_{c}']['file_mib']:.0f} MiB file)"), f"{r[f'capture_{c}']['vs_raw']:.2f}")
+              for c in ("fast", "small")),
+            ("raw h5py read of both files", f"{r['diff_read']['raw_h5py_mib_s']:.0f} MiB/s", "1.00"),
+            ("diff (stream_compare every site)", f"{r['diff_read']['diff_mib_s']:.0f} MiB/s",
+             f"{r['diff_read']['vs_raw']:.2f}"),
+            ("forward loop, no capture", f"{r['stats_only']['plain_s'] * 1e3:.0f} ms", "1.00"),
+            ("forward loop, stats-only capture", f"{r['stats_only']['stats_capture_s'] * 1e3:.0f} ms",
+             f"{1 + r['stats_only']['overhead']:.3f}")]
+    print(f"device {r['device']}, {r['cpus']} CPUs, {r['tensor_mib']:.0f} MiB of bf16 tensors")
+    print(f"{'measurement':40s} {'rate / time':34s} ratio")
+    for name, value, ratio in rows:
+        print(f"{name:40s} {value:34s} {ratio}")
+
+
+if __name__ == "__main__":
+    main()
