@@ -175,7 +175,8 @@ class Comparator:
 
     # -- observer ------------------------------------------------------------------------------------
     def observe(self, ev: OpEvent, layer: int) -> None:
-        for site, out in ev.outputs:
+        # a gate's scores are judged before its top-k ids: their error is the ids' tie margin
+        for site, out in sorted(ev.outputs, key=lambda o: not o[0].endswith("scores")):
             if site.endswith("topk_ids"):
                 self.ids.setdefault(ev.run, {})[site] = out
             if ev.run == self.runs["ref"]:
@@ -224,14 +225,14 @@ class Comparator:
     def _aligned(self, site: str, run: str, ref: torch.Tensor, cand: torch.Tensor):
         """Expert outputs hold the rows of the tokens routed to that expert, which differ between free runs:
         compare the tokens both sides routed there."""
-        if ref.shape == cand.shape:
-            return ref, cand
         if ".ffn.experts." not in site:
-            return None, None
+            return (ref, cand) if ref.shape == cand.shape else (None, None)
         gate = site.rsplit(".experts.", 1)[0] + ".gate.topk_ids"
         e = int(site.rsplit(".", 1)[1])
         ref_tok = (self.ids[self.runs["ref"]][gate] == e).any(-1).nonzero().squeeze(-1).tolist()
         cand_tok = (self.ids[run][gate] == e).any(-1).nonzero().squeeze(-1).tolist()
+        if ref_tok == cand_tok:
+            return ref, cand
         both = sorted(set(ref_tok) & set(cand_tok))
         if not both:
             return None, None
