@@ -371,3 +371,11 @@ def test_attribute_doc_lists_every_group():
     doc = attribute_doc()
     for needle in ("format_version", "layers_completed", "first_nonfinite", "token_slice", "/floors"):
         assert needle in doc
+
+
+def test_readme_attribute_tables_match_the_code():
+    from pathlib import Path
+    readme = (Path(__file__).parents[1] / "captures" / "README.md").read_text()
+    begin = "<!-- BEGIN GENERATED: python -m dsv4debug.capture --doc -->\n"
+    generated = readme[readme.index(begin) + len(begin):readme.index("<!-- END GENERATED -->")]
+    assert generated == attribute_doc() + "\n", "regenerate with python -m dsv4debug.capture --doc"
