@@ -21,6 +21,8 @@ from .metrics import MIN_FLOORS, floor_ratio
 # BF16 candidate; a quantised candidate (FP8/NVFP4) should be judged against floors measured with the
 # simulator backend, or with a larger budget, or it diverges everywhere by design.
 DEFAULT_BUDGET = 8.0
+# field-notes.md: healthy logits are finite with a standard deviation between 0.5 and 50.
+LOGITS_STD_RANGE = (0.5, 50.0)
 
 Record = Mapping[str, Any]
 
@@ -117,7 +119,21 @@ def summarize(records: Sequence[Record], forced_records: Sequence[Record] | None
             "first_local_divergence": bug, "gain": _gain(symptom, bug),
             "worst": worst_sites(records, n_worst, budget),
             "worst_local": worst_sites(forced_records or [], n_worst, budget),
+            "logits_check": logits_check(records),
             "message": _message(status, origin, symptom, bug)}
+
+
+def logits_check(records: Sequence[Record]) -> dict[str, Any] | None:
+    """Is the `logits` site finite with a plausible spread? Garbage output is never called a success."""
+    rec = next((r for r in records if r["site"] == "logits"), None)
+    if rec is None or not rec.get("stats"):
+        return None
+    stats = rec["stats"]
+    std = stats.get("std", math.nan)
+    low, high = LOGITS_STD_RANGE
+    ok = not _nonfinite(stats) and low <= std <= high
+    return {"ok": ok, "std": std, "std_range": [low, high], "nan_count": stats.get("nan_count", 0),
+            "inf_count": stats.get("inf_count", 0)}
 
 
 def _gain(symptom: Mapping[str, Any] | None, bug: Mapping[str, Any] | None) -> float | None:

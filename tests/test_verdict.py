@@ -108,3 +108,12 @@ def test_summary_names_bug_symptom_and_gain():
     records, _ = chain_records(poison=True)
     assert summarize(records)["status"] == "nan"
     assert summarize(chain_records(poison=False)[0])["status"] == "no-reference"
+
+
+def test_logits_check_flags_garbage():
+    def with_logits(std, nan=0):
+        return [{"site": "logits", "layer": -1, "inputs": [], "stats": {"std": std, "nan_count": nan, "inf_count": 0}}]
+    assert summarize(with_logits(3.0))["logits_check"]["ok"]
+    assert not summarize(with_logits(0.01))["logits_check"]["ok"]
+    assert not summarize(with_logits(3.0, nan=2))["logits_check"]["ok"]
+    assert summarize([])["logits_check"] is None

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import Progress, TextColumn
 from rich.table import Table
 
 from ..capture import CaptureReader
@@ -151,6 +152,10 @@ def _print_verdict(verdict: dict[str, Any], source: str) -> None:
                           f"{fmt(item['x_floor'])}x floor (floor {fmt(item['floor'])}, budget {fmt(item['budget'])})")
     if verdict.get("gain") is not None:
         console.print(f"  gain from bug to symptom: {fmt(verdict['gain'])}x")
+    logits = verdict.get("logits_check")
+    if logits and not logits["ok"]:
+        console.print(f"  [bold red]logits look like garbage[/]: std {fmt(logits['std'])} outside "
+                      f"{logits['std_range']} or non-finite ({logits['nan_count']} NaN, {logits['inf_count']} Inf)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -164,7 +169,11 @@ def diff(a: Annotated[Path, typer.Argument(help="first capture (the reference si
          = None,
          as_json: JsonOpt = False) -> None:
     rule_set = load_rules(rules)
-    result = diff_captures(a, b, run_a, run_b, rule_set)
+    with Progress(TextColumn("diff {task.completed} sites {task.description}"), console=Console(stderr=True),
+                  transient=True) as progress:
+        task = progress.add_task("", total=None)
+        result = diff_captures(a, b, run_a, run_b, rule_set,
+                               on_site=lambda r: progress.update(task, advance=1, description=r["site"]))
     if as_json:
         print_json(result)
     else:
