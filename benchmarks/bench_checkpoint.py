@@ -2,7 +2,8 @@
 
 Targets (tiny preset, 2 cores): `dsv4debug checkpoint make --preset tiny` <= 5 s end to end, reading every module
 dequantised <= 2 s. Baselines measured in the same run: torch.randn of as many elements plus a raw write of
-as many bytes (for make), the official `safetensors` package reading every tensor raw (for read).
+as many bytes (for make), the CLI's bare startup (for the end-to-end make), the official `safetensors` package
+reading every tensor raw (for read).
 Each timing is the best of --repeat runs, for each torch thread count in --threads. The load average is
 recorded because on a shared machine other processes inflate multi-threaded timings badly.
 
@@ -59,11 +60,20 @@ def make_baseline(path: Path, n_elements: int, n_bytes: int) -> None:
         f.write(bytes(n_bytes))
 
 
-def cli_make(out: Path, preset_name: str) -> float:
+def timed_python(code: str, *args: str) -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "from dsv4debug.cli import main; main()", "checkpoint", "make",
-                    str(out), "--preset", preset_name, "--force"], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True)
     return time.perf_counter() - t0
+
+
+def cli_make(out: Path, preset_name: str) -> float:
+    return timed_python("from dsv4debug.cli import main; main()", "checkpoint", "make", str(out),
+                        "--preset", preset_name, "--force")
+
+
+def cli_startup() -> float:
+    """What every CLI call pays before any work: Python, torch and every command module imported."""
+    return timed_python("from dsv4debug.cli import _register; _register()")
 
 
 def measure(tmp: Path, preset_name: str, repeat: int) -> dict[str, float]:
@@ -79,6 +89,7 @@ def measure(tmp: Path, preset_name: str, repeat: int) -> dict[str, float]:
         "read_raw_safetensors_s": best(lambda: read_raw_safetensors(out), repeat),
         "verify_s": best(lambda: Checkpoint.open(out).verify(), repeat),
         "cli_make_s": min(cli_make(tmp / "cli", preset_name) for _ in range(repeat)),
+        "cli_startup_s": min(cli_startup() for _ in range(repeat)),
         "elements": n_elements, "bytes": n_bytes,
     }
 
@@ -112,6 +123,7 @@ def main() -> None:
 def print_table(r: dict) -> None:
     rows = [("make_s", "make_checkpoint (in process)"), ("make_baseline_s", "  baseline: randn + raw write"),
             ("cli_make_s", "dsv4debug checkpoint make (end to end)"),
+            ("cli_startup_s", "  of which CLI startup (imports)"),
             ("read_dequantize_s", "open + dequantise every module"),
             ("read_raw_safetensors_s", "  baseline: safetensors, every tensor raw"),
             ("verify_s", "verify (read + check every tensor)")]
