@@ -135,7 +135,8 @@ def run(model: Checkpoint, token_ids: torch.Tensor, candidate: str = "sim", refe
         return run_side_by_side(model, token_ids, opts, progress=progress)
     from .capture import CaptureWriter
     meta = capture_meta(model, token_ids, opts)
-    with CaptureWriter(capture, meta, save, force=force) as writer:
+    writer = CaptureWriter(capture, meta, save, force=force)
+    try:
         def record(ev: OpEvent, layer: int) -> None:
             for site, t in ev.outputs:
                 writer.record(ev.run, site, t, layer=layer, family=ev.family)
@@ -146,6 +147,13 @@ def run(model: Checkpoint, token_ids: torch.Tensor, candidate: str = "sim", refe
 
         result = run_side_by_side(model, token_ids, opts, recorder=record, progress=progress, stage_done=flush)
         write_results(writer, result)
+    except BadInput:
+        writer.abort().unlink(missing_ok=True)       # bad input: nothing half-written is left behind
+        raise
+    except BaseException:
+        writer.abort()                               # a crash keeps the finished layers in OUT.h5.tmp
+        raise
+    writer.close()
     return result
 
 

@@ -53,7 +53,7 @@ class Side:
         except UnsupportedOp as e:
             raise UnsupportedOp(f"{e} (site {site})") from None
         for f in self.faults:
-            if f.matches(site):
+            if f.matches(site) and self.backend.is_candidate_op(op):
                 out = _map_first(out, lambda t: apply_activation_fault(f, site, t))
         return out
 

@@ -151,7 +151,10 @@ class HybridBackend(Backend):
         self.numerics = candidate.numerics
 
     def op(self, op: str):
-        return (self.reference if family_of(op) in self.families else self.candidate).op(op)
+        return (self.candidate if self.is_candidate_op(op) else self.reference).op(op)
+
+    def is_candidate_op(self, op: str) -> bool:
+        return family_of(op) not in self.families
 
     def end_stage(self) -> None:
         self.candidate.end_stage()

@@ -67,6 +67,10 @@ class Backend:
             raise UnsupportedOp(f"backend '{self.name}' does not implement op '{op}'")
         return fn
 
+    def is_candidate_op(self, op: str) -> bool:
+        """Whether `op` runs on this backend's own code (planted faults live there), not delegated."""
+        return True
+
     def dense(self, w: QWeight | None, dtype: torch.dtype) -> torch.Tensor | None:
         """The exact dequantised weight in `dtype` on this backend's device (cached until end_stage)."""
         if w is None:

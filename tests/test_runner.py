@@ -1,0 +1,164 @@
+"""The side-by-side runner, bisect and plug-in backends, on planted faults in the tiny model.
+
+Tiny layers: 0 SWA (hash), 1 HCA (hash), 2 CSA (hash), 3 HCA, 4 CSA, 5 SWA (score routing).
+"""
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import dsv4debug.api as dd
+from dsv4debug.backends import registry
+from dsv4debug.bisect import bisect
+from dsv4debug.errors import BadInput
+from dsv4debug.faults import parse_fault
+
+S = 160
+
+
+@pytest.fixture(scope="module")
+def tokens(tiny):
+    return dd.make_tokens(tiny, seq_len=S, seed=2)
+
+
+# (fault, the site run must name): activation faults of every kind, in every op family and layer type
+ACTIVATION_FAULTS = [
+    ("nan@layers.0.attn.sparse_attn", "layers.0.attn.sparse_attn"),                # SWA attention
+    ("inf@layers.1.attn.compressor:300", "layers.1.attn.compressor"),              # HCA compressor
+    ("noise@layers.2.attn.indexer.q:0.5", "layers.2.attn.indexer.q"),              # CSA indexer
+    ("scale@layers.4.attn.indexer.scores:3", "layers.4.attn.indexer.scores"),
+    ("zero@layers.3.ffn.shared_experts", "layers.3.ffn.shared_experts"),           # HCA MoE
+    ("scale@layers.4.hc_ffn.post:1.5", "layers.4.hc_ffn.post"),                    # mHC
+    ("noise@layers.5.attn_norm:0.3", "layers.5.attn_norm"),                        # norm, SWA
+    ("noise@layers.1.attn.q_rope:0.2", "layers.1.attn.q_rope"),                    # rope
+    ("scale@layers.3.attn.wo_a:0.5", "layers.3.attn.wo_a"),                        # grouped linear
+    ("nan@layers.2.ffn.experts.3:5", "layers.2.ffn.experts.3"),                    # one expert of 8
+]
+WEIGHT_FAULTS = [
+    ("swap_w13@layers.4.ffn.experts.2", "layers.4.ffn.experts.2"),
+    ("block_scale@layers.3.attn.wq_b:2", "layers.3.attn.wq_b"),
+    ("block_scale@layers.5.ffn.shared_experts.w2", "layers.5.ffn.shared_experts"),
+]
+
+
+def _named_site(result) -> str:
+    v = result.verdict
+    if v["nan_origin"]:
+        return v["nan_origin"]["site"]
+    return v["first_local_divergence"]["site"]
+
+
+@pytest.mark.parametrize("fault,site", ACTIVATION_FAULTS + WEIGHT_FAULTS)
+def test_run_names_the_planted_site(tiny, tokens, fault, site):
+    result = dd.run(tiny, tokens, candidate="reference", inject=[fault])
+    assert result.diverged
+    assert _named_site(result) == site, result.verdict["message"]
+
+
+def test_swapped_experts_named_at_the_first_swapped_expert(tiny, tokens):
+    result = dd.run(tiny, tokens, candidate="reference", inject=["swap_experts@layers.3:1,6"])
+    assert result.verdict["first_local_divergence"]["site"] in ("layers.3.ffn.experts.1", "layers.3.ffn.experts.6")
+    wrong = {r.site for r in result.sites if r.local and r.judge("local", 8.0)["exceeds"]}
+    assert {"layers.3.ffn.experts.1", "layers.3.ffn.experts.6"} <= wrong
+
+
+def test_free_symptom_appears_at_or_after_the_bug(tiny, tokens):
+    result = dd.run(tiny, tokens, candidate="reference", inject=["noise@layers.2.attn.wkv:0.05"])
+    v = result.verdict
+    order = {r.site: r.order for r in result.sites}
+    assert v["first_local_divergence"]["site"] == "layers.2.attn.wkv"
+    assert order[v["first_divergence"]["site"]] >= order["layers.2.attn.wkv"]
+
+
+def test_nan_in_sim_candidate_is_located(tiny, tokens):
+    result = dd.run(tiny, tokens, candidate="sim", inject=["nan@layers.4.ffn.experts.0"])
+    assert result.verdict["nan_origin"]["site"] == "layers.4.ffn.experts.0"
+
+
+def test_sim_without_fault_stays_within_floors(tiny, tokens):
+    result = dd.run(tiny, tokens, candidate="sim")
+    assert not result.diverged, result.verdict["message"]
+    linear = [r for r in result.sites if r.family == "linear" and r.local and r.local["rel_l2"] > 0]
+    assert linear, "sim must actually quantise the FP8 GEMM inputs"
+    assert max(r.judge("local", 8.0)["x_floor"] for r in linear) > 1.5    # quantisation is visible in x floor
+
+
+def test_reference_against_itself_is_bitwise_clean(tiny, tokens):
+    result = dd.run(tiny, tokens[:64], candidate="reference")
+    assert not result.diverged
+    assert all(r.local["mismatches"] == 0 for r in result.sites if r.local and "mismatches" in r.local)
+
+
+def test_layer_forcing_localises_the_layer(tiny, tokens):
+    result = dd.run(tiny, tokens, candidate="reference", forcing="layer", inject=["scale@layers.3.attn.wkv:2"])
+    assert result.verdict["first_local_divergence"]["site"] == "layers.3.attn.wkv"
+
+
+def test_layers_option_compares_only_those_layers(tiny, tokens):
+    result = dd.run(tiny, tokens[:64], candidate="reference", layers="2:4")
+    assert {r.layer for r in result.sites} == {2, 3}
+
+
+@pytest.mark.parametrize("fault,stage", [("noise@layers.3.attn.wkv:0.3", "layers.3"),
+                                         ("swap_w13@layers.1.ffn.experts.4", "layers.1"),
+                                         ("nan@layers.5.ffn.shared_experts", "layers.5")])
+def test_bisect_layers_names_the_layer_within_log2_probes(tiny, tokens, fault, stage):
+    (res,) = bisect(tiny, tokens, "reference", "layers", faults=[parse_fault(fault)])
+    assert res.culprit_stage == stage
+    n_stages = tiny.config.n_layers + 2
+    assert len(res.probes) <= (n_stages - 1).bit_length() + 1
+
+
+@pytest.mark.parametrize("fault,family", [("noise@layers.3.attn.q_rope:0.3", "rope"),
+                                          ("scale@layers.4.attn.indexer.scores:-1", "indexer")])
+def test_bisect_ops_names_the_family(tiny, tokens, fault, family):
+    (res,) = bisect(tiny, tokens, "reference", "ops", faults=[parse_fault(fault)])
+    assert res.culprit_families == [family]
+
+
+def test_unknown_fault_site_is_bad_input(tiny, tokens):
+    with pytest.raises(BadInput, match="no site matches"):
+        dd.run(tiny, tokens[:16], candidate="reference", inject=["nan@layers.2.attn.nope"])
+
+
+def test_backend_plugs_in_through_the_entry_point(tiny, tokens, tmp_path, monkeypatch):
+    """A package declaring [dsv4debug.backends] in its metadata becomes a candidate by name."""
+    (tmp_path / "noisy_plugin.py").write_text(textwrap.dedent("""
+        from dsv4debug.backends.reference import ReferenceBackend
+
+        class DoubledNorm(ReferenceBackend):
+            name = "doubled-norm"
+
+            def rms_norm(self, x, w, *, eps):      # a "doubled normalisation" bug in one op family
+                return super().rms_norm(super().rms_norm(x, w, eps=eps), w, eps=eps)
+    """))
+    dist = tmp_path / "noisy_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: noisy-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[dsv4debug.backends]\ndoubled = noisy_plugin:DoubledNorm\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "doubled" in registry.available()
+    result = dd.run(tiny, tokens[:64], candidate="doubled")
+    assert result.verdict["first_local_divergence"]["family"] == "norm"
+    sys.modules.pop("noisy_plugin", None)
+
+
+def test_cli_exit_codes(tiny_dir, tmp_path, capsys):
+    from dsv4debug.cli import main
+
+    def code(*args):
+        with pytest.raises(SystemExit) as e:
+            main(list(args))
+        return e.value.code
+
+    base = ["run", str(tiny_dir), "--seq-len", "32", "--candidate", "reference"]
+    assert code(*base) == 0
+    assert code(*base, "--inject", "nan@layers.1.ffn.shared_experts") == 1
+    assert code(*base, "--candidate", "nope") == 2
+    assert code("run", str(tmp_path / "missing"), "--seq-len", "8") == 2
+    capsys.readouterr()
+    assert code(*base, "--json", "--capture", str(tmp_path / "c.h5")) == 0
+    assert '"status": "clean"' in capsys.readouterr().out
+    assert code(*base, "--capture", str(tmp_path / "c.h5")) == 2          # never overwrite without --force
+    assert code(*base, "--capture", str(tmp_path / "c.h5"), "--force") == 0
