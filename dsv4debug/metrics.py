@@ -137,6 +137,21 @@ def compare(ref: torch.Tensor, cand: torch.Tensor, chunk_elems: int = CHUNK_ELEM
     return acc.result()
 
 
+def compare_fast(ref: torch.Tensor, cand: torch.Tensor) -> dict[str, Any]:
+    """compare(), with a shortcut for the common case of bitwise-identical finite tensors (ops a candidate
+    shares with the reference): one torch.equal instead of ~30 float64 passes."""
+    if ref.dtype == cand.dtype and torch.equal(ref, cand) and bool(torch.isfinite(ref).all()):
+        n = ref.numel()
+        out: dict[str, Any] = {"numel": n, "compared": n, "cosine": 1.0, "rel_l2": 0.0, "sqnr_db": math.inf}
+        for key in _MAXES:
+            out |= {key: 0.0, f"{key}_index": None}
+        out |= {"max_abs_ref": None, "max_abs_cand": None, "ulp_within_1": 1.0, "ulp_within_2": 1.0,
+                "ulp_within_4": 1.0, "ref_nan": 0, "ref_inf": 0, "cand_nan": 0, "cand_inf": 0,
+                "nonfinite_mismatch": 0, "mismatches": 0, "first_mismatch_index": None}
+        return out
+    return compare(ref, cand)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Index outputs (top-k ids, routing)
 # ---------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from .config import ModelConfig
 from .errors import BadInput
 from .execute import Executor, OpEvent, Side, WeightSource, check_faults_target_sites
 from .faults import Fault
-from .metrics import compare, index_agreement
+from .metrics import compare_fast, index_agreement
 from .verdict import DEFAULT_BUDGET, judge, summarize
 from .model import State, stages
 
@@ -212,7 +212,7 @@ class Comparator:
         if is_index_site(site):
             m = self._index_metrics(site, ref, cand, kind)
         else:
-            m = dict(compare(ref, cand), kind="values")
+            m = dict(compare_fast(ref, cand), kind="values")
             if kind == "free" and site.endswith("scores"):
                 self.score_err[site] = m["max_abs"] if math.isfinite(m["max_abs"]) else float("inf")
         setattr(r, kind, m)

@@ -108,3 +108,12 @@ def test_floor_ratio():
     assert floor_ratio(0.01, 0.0, 2.0 ** -9) == pytest.approx(0.01 * 512)     # zero floor raised to the minimum
     assert floor_ratio(math.nan, 0.002, 2.0 ** -9) == math.inf
     assert floor_ratio(0.01, None, 0.001) == pytest.approx(10.0)
+
+
+def test_compare_fast_equals_compare_on_identical_and_different_tensors():
+    from dsv4debug.metrics import compare_fast
+    a = torch.randn(64, 48).bfloat16()
+    assert compare_fast(a, a.clone()) == compare(a, a.clone())
+    b = a.clone()
+    b[3, 7] = b[3, 7] * 2 + 1
+    assert compare_fast(a, b) == compare(a, b)
