@@ -1,0 +1,150 @@
+"""Reference forward speed, and the cost of stats capture on it.
+
+CPU (CI-like machine): the tiny preset, full forward of 256 tokens (target <= 10 s on 2 cores).
+GPU (--device cuda): one Pro-shaped layer (real dimensions, 384 experts) at 4096 tokens, generated on the
+GPU, against the time its matrix FLOPs take at the cuBLAS bf16 rate measured in the same run (target
+<= 2x), and the same layer with a stats-only capture recording every site (target <= +3%).
+
+    python benchmarks/bench_reference.py                      # CPU, tiny
+    python benchmarks/bench_reference.py --device cuda        # GPU, Pro layer
+Results go to benchmarks/results/reference-<device>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+import dsv4debug.api as dd
+from dsv4debug.config import preset
+from dsv4debug.execute import Executor, Side, WeightSource
+from dsv4debug.model import State, stages
+from dsv4debug.backends.registry import make_backend
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, repeat: int = 1) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_tiny_cpu(seq_len: int) -> dict:
+    model = dd.open_model()
+    tokens = dd.make_tokens(model, seq_len=seq_len)
+    dd.reference(model, tokens[:8])                              # warm-up (imports, allocator)
+    t = timed(lambda: dd.reference(model, tokens), "cpu", repeat=3)
+    return {"case": f"tiny preset, {seq_len} tokens, full forward (bf16 reference)", "seconds": t,
+            "target_seconds": 10.0, "threads": torch.get_num_threads(), "meets_target": t <= 10.0}
+
+
+def layer_matmul_flops(cfg, layer: int, S: int, routed_tokens: int) -> float:
+    """Matrix FLOPs (2 per MAC) of one layer's GEMMs and attention scores/values at S tokens."""
+    D, H, d, Q, G, R, I = (cfg.dim, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank,
+                           cfg.moe_inter_dim)
+    ratio = cfg.compress_ratio(layer)
+    macs = S * (D * Q + Q * H * d + D * d + H * d * R + G * R * D)                 # q, kv, wo_a, wo_b
+    macs += S * 3 * D * I + routed_tokens * 3 * D * I + S * D * cfg.n_routed_experts   # shared, routed, gate
+    if ratio:
+        c = 2 if ratio == 4 else 1
+        macs += S * 2 * D * c * d                                                  # compressor wkv, wgate
+    keys = cfg.window_size + (min(cfg.index_topk, S // 4) if ratio == 4 else (S // ratio if ratio else 0))
+    if ratio == 4:
+        IH, ID = cfg.index_n_heads, cfg.index_head_dim
+        macs += S * (Q * IH * ID + D * IH + 2 * D * 2 * ID) + S * (S // 4) * IH * ID
+    macs += S * H * keys * d * 2                                                   # QK^T and PV
+    return 2.0 * macs
+
+
+def cublas_rate(device: str, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    torch.matmul(a, b)
+    t = timed(lambda: [torch.matmul(a, b) for _ in range(10)], device, repeat=3) / 10
+    return 2.0 * n ** 3 / t
+
+
+def bench_pro_layer(device: str, seq_len: int, layer: int) -> dict:
+    from dsv4debug.capture import CaptureWriter
+    from dsv4debug.synth import SyntheticModel
+    cfg = preset("pro")
+    model = SyntheticModel(cfg, seed=0, device=device)
+    stage = stages(cfg, seq_len, device, True)[layer + 1]
+    g = torch.Generator(device=device).manual_seed(0)
+    h = (torch.randn(seq_len, cfg.hc_mult, cfg.dim, device=device, generator=g)).bfloat16()
+    ids = torch.randint(0, cfg.vocab_size, (seq_len,), device=device, generator=g)
+    backend = make_backend("reference", device)
+    side = Side("reference", backend, WeightSource(model))
+    routed = seq_len * cfg.n_activated_experts
+
+    def forward(observer=None):
+        return stage.run(Executor(side, (), observer), State(ids, h))
+
+    t_cold = timed(forward, device)                      # generates + dequantises the layer's weights
+    t_warm = timed(forward, device, repeat=3)            # weights cached: the forward itself
+
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = CaptureWriter(Path(tmp) / "bench.h5", {"token_ids": ids.tolist()}, "stats")
+
+        def captured(rep: int) -> None:       # every site's stats, flushed at the layer's end
+            run = f"rep{rep}"
+            forward(lambda ev: [writer.record(run, s, t, layer=layer) for s, t in ev.outputs])
+            writer.end_layer(run, layer)
+
+        t_capture = min(timed(lambda r=r: captured(r), device) for r in range(3))
+        writer.abort()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+    rate = cublas_rate(device)
+    flops = layer_matmul_flops(cfg, layer, seq_len, routed)
+    ideal = flops / rate
+    return {"case": f"Pro layer {layer} ({cfg.layer_type(layer)}), {seq_len} tokens, 384 experts",
+            "layer_type": cfg.layer_type(layer), "matmul_tflop": flops / 1e12, "cublas_tflops": rate / 1e12,
+            "ideal_seconds": ideal, "forward_seconds_warm": t_warm, "forward_seconds_cold": t_cold,
+            "ratio_to_ideal": t_warm / ideal, "target_ratio": 2.0, "meets_target": t_warm / ideal <= 2.0,
+            "stats_capture_seconds": t_capture, "capture_overhead": t_capture / t_warm - 1,
+            "capture_target": 0.03, "peak_gpu_gib": peak,
+            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--layers", default="2,3", help="Pro layers to time on the GPU (2 = CSA, 3 = HCA)")
+    args = ap.parse_args()
+    rows = []
+    if args.device == "cpu":
+        rows.append(bench_tiny_cpu(args.seq_len or 256))
+    else:
+        for layer in (int(x) for x in args.layers.split(",")):
+            rows.append(bench_pro_layer(args.device, args.seq_len or 4096, layer))
+            torch.cuda.empty_cache()
+    doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+           "python": platform.python_version(), "machine": platform.machine(), "rows": rows}
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"reference-{args.device.split(':')[0]}.json"
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    for r in rows:
+        print(json.dumps(r))
+    print(f"written {out}")
+
+
+if __name__ == "__main__":
+    main()
