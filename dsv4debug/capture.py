@@ -1,24 +1,22 @@
-"""Capture format v1: one HDF5 file holds one input and one or more runs, every site's statistics and, by
-policy, its tensor. Layout and attributes are documented in captures/README.md; the attribute tables there
-come from the *_ATTRS tuples below (`python -m dsv4debug.capture --doc` prints them).
+"""Capture format v1: one HDF5 file holds one input and one or more runs: every site's statistics in a
+per-run table and, by policy, its tensor. Layout and attributes are documented in captures/README.md; the
+tables there are generated from ROOT_ATTRS, RUN_ATTRS, SITE_COLUMNS ... below (`python -m
+dsv4debug.capture --doc`).
 
-Writing is asynchronous: `record` computes statistics on the tensor's device, starts the device->host copy
-and returns; a prepare thread converts tensors and has a worker pool shuffle, compress and hash the chunks;
-a writer thread, the only one touching HDF5, writes them with `write_direct_chunk`. `end_layer` returns once
-everything recorded so far is flushed, so a process killed afterwards leaves those layers readable.
+Writing is asynchronous: `record` starts the statistics (torch kernels on a GPU tensor, numpy tasks on a
+worker pool for a host tensor) and the device->host copy, then returns; a prepare thread has the pool
+shuffle, compress and hash the chunks; a writer thread, the only one touching HDF5, writes them with
+`write_direct_chunk` and appends the site rows at each `end_layer`, which returns once everything recorded
+so far is flushed: a process killed afterwards leaves those layers readable.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import itertools
 import json
 import os
 import queue
 import re
-import struct
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,15 +31,31 @@ from typing_extensions import Self
 
 from . import __version__
 from .errors import BadInput
+from .h5chunks import (
+    HASH_NAME,
+    chunk_at,
+    chunk_shape,
+    content_hash,
+    encode_chunk,
+    from_storage,
+    source_array,
+    storage_array,
+)
+from .tensorstats import (
+    STAT_KEYS,
+    block_stats,
+    combine_blocks,
+    device_stats,
+    dtype_name,
+    host_blocks,
+    stats_dict,
+)
 
 FORMAT = "dsv4debug-capture"
 FORMAT_VERSION = 1
-HASH_NAME = "blake2b-256"
 TMP_SUFFIX = ".tmp"
-CHUNK_BYTES = 1 << 20           # target stored bytes per HDF5 chunk: large enough for throughput, small for diff
-STATS_CHUNK = 1 << 24           # elements per float64 step of the statistics
 COMPRESSIONS = ("fast", "small")
-STAT_KEYS = ("nan_count", "inf_count", "min", "max", "mean", "std", "absmax", "l2")
+_STR = h5py.string_dtype()
 
 # (name, type, meaning): the documented attributes, printed by --doc into captures/README.md.
 ROOT_ATTRS = (
@@ -68,37 +82,40 @@ RUN_ATTRS = (
     ("layers_completed", "int64[]", "layers whose end_layer flush finished, in order"),
     ("*", "any", "further attributes given to begin_run"),
 )
-SITE_ATTRS = (
-    ("order", "int", "execution index of the site within its run (0, 1, 2 ...)"),
-    ("layer", "int", "layer index; -1 for global sites (embed, hc_head, norm, logits)"),
-    ("family", "str", "op family (linear, norm, rope, attention, moe, ...); may be empty"),
-    ("inputs", "JSON str", "list of the site names whose outputs this op consumed"),
-    ("dtype", "str", "torch dtype of the site's output, e.g. bfloat16"),
-    ("shape", "int64[]", "shape of the full output tensor"),
-    ("numel", "int", "number of elements of the full output"),
-    ("nan_count", "int", "NaN elements"),
-    ("inf_count", "int", "+-Inf elements"),
-    ("min", "float64", "minimum over finite elements (NaN if none)"),
-    ("max", "float64", "maximum over finite elements"),
-    ("mean", "float64", "mean over finite elements"),
-    ("std", "float64", "standard deviation over finite elements (n-1)"),
-    ("absmax", "float64", "largest finite |x|"),
-    ("l2", "float64", "L2 norm over finite elements"),
-    ("first_nonfinite", "int64[]", "coordinates of the first NaN/Inf element in C order (only when there is one)"),
-    ("stored", "bool", "whether the dataset `tensor` holds (a slice of) the output"),
-    ("*", "any", "extra attributes given to record(attrs=...)"),
+# (column, numpy dtype, type, meaning) of the compound dataset /runs/<run>/sites, one row per site.
+SITE_COLUMNS = (
+    ("site", _STR, "str", "site name, verbatim (`layers.7.attn.wq_a`, `layers.7.ffn.experts.123`)"),
+    ("order", "<i8", "int64", "execution index within the run; rows are in this order"),
+    ("layer", "<i8", "int64", "layer index; -1 for global sites (embed, hc_head, norm, logits)"),
+    ("family", _STR, "str", "op family (linear, norm, rope, attention, moe ...); may be empty"),
+    ("inputs", _STR, "JSON str", "list of the site names whose outputs this op consumed"),
+    ("dtype", _STR, "str", "torch dtype of the output, e.g. bfloat16"),
+    ("shape", _STR, "JSON str", "shape of the whole output, e.g. [128, 4, 7168]"),
+    ("numel", "<i8", "int64", "elements of the whole output"),
+    ("nan_count", "<i8", "int64", "NaN elements"),
+    ("inf_count", "<i8", "int64", "+-Inf elements"),
+    ("min", "<f8", "float64", "minimum over finite elements (NaN when there are none)"),
+    ("max", "<f8", "float64", "maximum over finite elements"),
+    ("mean", "<f8", "float64", "mean over finite elements"),
+    ("std", "<f8", "float64", "standard deviation over finite elements (n-1)"),
+    ("absmax", "<f8", "float64", "largest finite |x|"),
+    ("l2", "<f8", "float64", "L2 norm over finite elements"),
+    ("first_nonfinite", _STR, "JSON str", "coordinates of the first NaN/Inf element in C order, or null"),
+    ("stored", "?", "bool", "whether /runs/<run>/tensors/<site> holds the output or its token rows"),
+    ("attrs", _STR, "JSON str", "extra attributes given to record(attrs=...); {} if none"),
 )
+SITE_DTYPE = np.dtype([(name, dtype) for name, dtype, _, _ in SITE_COLUMNS])
 TENSOR_ATTRS = (
     ("dtype", "str", "original torch dtype; the dataset holds it losslessly (bf16/fp16/fp8 as float32, bool as uint8)"),
     ("token_slice", "int64[2]", "[start, stop) of dim 0 that is stored, when dim 0 is the token dimension"),
     ("hash", "str", (f'"{HASH_NAME}:<hex>" of the stored tensor\'s bytes in its original dtype, C order '
-                    "(float32/float64/int data: the dataset's own bytes; bf16: the top 16 bits of each float32)")),
+                     "(float32/float64/int data: the dataset's own bytes; bf16: the top 16 bits of each float32)")),
 )
-FLOOR_METRIC_ATTRS = (
-    ("/metrics/<run> reference", "str", "run the candidate run was compared against"),
-    ("/metrics/<run>/<site> *", "float/int/str", "output of dsv4debug.metrics.compare or index_agreement"),
-    ("/floors source", "str", "how the floors were measured, e.g. reference (bf16) vs reference.fp64"),
-    ("/floors/<site> *", "float", "noise floor per metric for this site (same names as the metrics)"),
+JSON_TABLE_DTYPE = np.dtype([("site", _STR), ("values", _STR)])
+JSON_TABLES = (
+    ("/metrics/<run>", ("rows (site, values): JSON of metrics.compare or index_agreement for that site; "
+                       "attribute `reference`: the run it was compared against")),
+    ("/floors", "rows (site, values): JSON {metric: noise floor}; attribute `source`: how they were measured"),
 )
 
 
@@ -180,213 +197,7 @@ def as_policy(policy: SavePolicy | str) -> SavePolicy:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Statistics on the device
-# ---------------------------------------------------------------------------------------------------------
-def device_stats(t: torch.Tensor) -> torch.Tensor:
-    """float64 [nan, inf, min, max, mean, std, absmax, l2, first non-finite flat index or -1] on t's device.
-
-    min/max/mean/std/l2 are over finite values only, summed in float64 chunk by chunk (temporaries stay
-    bounded; bf16 squares cannot overflow). On CPU a tensor found all-finite by one aminmax pass (NaN
-    propagates through it) skips the masking; on GPU the masked path always runs, so nothing syncs.
-    """
-    x = t.detach().reshape(-1)
-    if x.numel() == 0:
-        nan = float("nan")
-        return torch.tensor([0, 0, nan, nan, nan, nan, nan, 0, -1], dtype=torch.float64, device=x.device)
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        x = x.double()          # integers, bool and fp8 formats (which most reductions do not support)
-    if x.device.type == "cpu":
-        lo, hi = torch.aminmax(x)
-        if bool(torch.isfinite(lo) & torch.isfinite(hi)):
-            return _finite_stats(x, lo.double(), hi.double())
-    return _masked_stats(x)
-
-
-def _finite_stats(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    total = sumsq = torch.zeros((), dtype=torch.float64, device=x.device)
-    for chunk in x.split(STATS_CHUNK):
-        xd = chunk.double()
-        total, sumsq = total + xd.sum(), sumsq + torch.dot(xd, xd)
-    zero = torch.zeros_like(total)
-    return _pack(zero, torch.full_like(total, x.numel()), lo, hi, total, sumsq, zero - 1, x.numel())
-
-
-def _masked_stats(x: torch.Tensor) -> torch.Tensor:
-    zero = torch.zeros((), dtype=torch.float64, device=x.device)
-    n_nan = n_finite = total = sumsq = zero
-    lo, hi, first_bad = zero + torch.inf, zero - torch.inf, zero - 1
-    for start in range(0, x.numel(), STATS_CHUNK):
-        xd = x[start:start + STATS_CHUNK].double()
-        finite = torch.isfinite(xd)
-        kept = torch.where(finite, xd, 0)
-        n_nan, n_finite = n_nan + xd.isnan().sum(), n_finite + finite.sum()
-        total, sumsq = total + kept.sum(), sumsq + torch.dot(kept, kept)
-        lo = torch.minimum(lo, torch.where(finite, xd, torch.inf).amin())
-        hi = torch.maximum(hi, torch.where(finite, xd, -torch.inf).amax())
-        bad_here = (~finite).to(torch.uint8).argmax() + start
-        first_bad = torch.where((first_bad < 0) & ~finite.all(), bad_here.double(), first_bad)
-    return _pack(n_nan, n_finite, lo, hi, total, sumsq, first_bad, x.numel())
-
-
-def _pack(n_nan, n_finite, lo, hi, total, sumsq, first_bad, numel: int) -> torch.Tensor:
-    n_finite = n_finite.double()
-    mean = total / n_finite
-    var = ((sumsq - total * mean) / (n_finite - 1).clamp(min=1)).clamp(min=0)
-    absmax = torch.maximum(lo.abs(), hi.abs())
-    values = (n_nan, numel - n_finite - n_nan, lo, hi, mean, var.sqrt(), absmax, sumsq.sqrt(), first_bad)
-    return torch.stack([v.double() for v in values])
-
-
-def stats_dict(values: Sequence[float], dtype: torch.dtype, shape: Sequence[int]) -> dict[str, Any]:
-    """The statistics attributes of one site from device_stats' values (host floats)."""
-    n_nan, n_inf = int(values[0]), int(values[1])
-    no_finite = n_nan + n_inf == int(np.prod(shape))
-    out: dict[str, Any] = {"nan_count": n_nan, "inf_count": n_inf}
-    for key, v in zip(STAT_KEYS[2:], values[2:8]):
-        out[key] = float("nan") if no_finite and key != "l2" else float(v)
-    out.update(numel=int(np.prod(shape)), dtype=dtype_name(dtype), shape=[int(s) for s in shape])
-    if values[8] >= 0:
-        out["first_nonfinite"] = [int(i) for i in np.unravel_index(int(values[8]), tuple(shape))]
-    return out
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Chunk encoding: shuffle + deflate streams built per byte plane
-# ---------------------------------------------------------------------------------------------------------
-# A chunk of n elements of itemsize s is stored shuffled (byte plane 0 of every element, then plane 1 ...),
-# then deflated, exactly what HDF5's shuffle and deflate filters produce, so h5py and h5dump decode it.
-# We build the zlib stream plane by plane: all-zero planes (the low half of a bf16 value widened to float32)
-# become a few bytes, other planes are deflated Huffman-only ("small") or kept as stored blocks ("fast").
-# Stored blocks cost a memcpy; general deflate runs at ~40-80 MB/s per core and would not keep up with disk.
-_ZLIB_HEADER = b"\x78\x01"
-_FINAL_EMPTY_BLOCK = b"\x01\x00\x00\xff\xff"
-_ADLER_MOD = 65521
-
-
-@functools.lru_cache(maxsize=64)
-def _zero_plane_deflate(n: int) -> bytes:
-    c = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_RLE)
-    return c.compress(bytes(n)) + c.flush(zlib.Z_SYNC_FLUSH)
-
-
-def _adler32_of_zeros(adler: int, n: int) -> int:
-    low, high = adler & 0xFFFF, adler >> 16
-    return (((high + n * low) % _ADLER_MOD) << 16) | low
-
-
-def _stored_blocks(data: np.ndarray) -> list:
-    view = memoryview(data).cast("B")
-    parts = []
-    for i in range(0, len(view), 0xFFFF):
-        piece = view[i:i + 0xFFFF]
-        parts += [struct.pack("<BHH", 0, len(piece), len(piece) ^ 0xFFFF), piece]
-    return parts
-
-
-def _huffman_deflate(data: np.ndarray) -> bytes:
-    c = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
-    return c.compress(data) + c.flush(zlib.Z_SYNC_FLUSH)
-
-
-def shuffled_planes(chunk: np.ndarray, widen_bf16: bool = False) -> list[np.ndarray | int]:
-    """HDF5's shuffle of a chunk as byte planes. widen_bf16: the chunk holds bf16 bits (uint16) that the
-    dataset stores as float32, whose two low byte planes are zero (an int n stands for n zero bytes)."""
-    planes = list(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1, chunk.itemsize).T.copy())
-    return [chunk.size, chunk.size, *planes] if widen_bf16 else planes
-
-
-def encode_planes(planes: Sequence[np.ndarray | int], compression: str) -> bytes:
-    """The zlib stream of the concatenated planes, for write_direct_chunk under filters [shuffle, deflate]."""
-    parts, adler = [_ZLIB_HEADER], 1
-    for plane in planes:
-        if isinstance(plane, int) or not plane.any():
-            n = plane if isinstance(plane, int) else plane.size
-            parts.append(_zero_plane_deflate(n))
-            adler = _adler32_of_zeros(adler, n)
-            continue
-        adler = zlib.adler32(plane, adler)
-        packed = _huffman_deflate(plane) if compression == "small" else None
-        parts += [packed] if packed is not None and len(packed) < plane.size else _stored_blocks(plane)
-    parts += [_FINAL_EMPTY_BLOCK, struct.pack(">I", adler)]
-    return b"".join(parts)
-
-
-def _encode_chunk(region: np.ndarray, compression: str, widen_bf16: bool) -> bytes:
-    return encode_planes(shuffled_planes(region, widen_bf16), compression)
-
-
-def chunk_shape(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
-    """Whole trailing dims while they fit in CHUNK_BYTES, then as many rows of the next dim as fit."""
-    chunk = list(shape)
-    budget = max(1, CHUNK_BYTES // itemsize)
-    for i in range(len(shape) - 1, -1, -1):
-        if budget >= shape[i]:
-            budget //= max(shape[i], 1)
-            continue
-        chunk[i] = max(1, budget)
-        chunk[:i] = [1] * i
-        break
-    return tuple(max(1, c) for c in chunk)
-
-
-def _chunk_at(arr: np.ndarray, origin: tuple[int, ...], chunk: tuple[int, ...]) -> np.ndarray:
-    """The chunk starting at origin, zero-padded to the full chunk shape at the dataset's edges."""
-    region = arr[tuple(slice(o, o + c) for o, c in zip(origin, chunk))]
-    if region.shape == chunk:
-        return region
-    padded = np.zeros(chunk, dtype=arr.dtype)
-    padded[tuple(slice(0, s) for s in region.shape)] = region
-    return padded
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Storage dtypes
-# ---------------------------------------------------------------------------------------------------------
-def storage_array(t: torch.Tensor) -> np.ndarray:
-    """A host tensor as the numpy array we store: lossless, in a type plain HDF5 readers know."""
-    t = t.contiguous()
-    if t.dtype == torch.bfloat16:   # bf16 is the top half of a float32: widen by shifting, exact and fast
-        bits = t.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
-        return (bits << 16).view(np.float32)
-    if t.dtype == torch.bool:
-        return t.numpy().view(np.uint8)
-    if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
-        return t.float().numpy()    # fp16 and fp8 formats are exactly representable in float32
-    return t.numpy()
-
-
-def from_storage(arr: np.ndarray, dtype: str) -> torch.Tensor:
-    """Inverse of storage_array (bit-exact for bf16, NaN payloads included)."""
-    arr = np.asarray(arr)
-    if dtype == "bfloat16":
-        return torch.from_numpy((arr.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(arr.copy() if not arr.flags.c_contiguous else arr).to(getattr(torch, dtype))
-
-
-def source_array(t: torch.Tensor) -> tuple[np.ndarray, np.dtype, bool]:
-    """(array to cut chunks from, dataset dtype, whether it holds bf16 bits widened while encoding).
-
-    bf16 is never materialised as float32: its bits are the float32's top half, so the encoder emits two
-    zero byte planes and the bf16 bytes shuffled.
-    """
-    if t.dtype == torch.bfloat16:
-        return t.contiguous().view(torch.int16).numpy().view(np.uint16), np.dtype(np.float32), True
-    arr = storage_array(t)
-    return arr, arr.dtype, False
-
-
-def content_hash(t: torch.Tensor) -> str:
-    """blake2b-256 of a host tensor's bytes in its own dtype, C order."""
-    data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-    return f"{HASH_NAME}:{hashlib.blake2b(data, digest_size=32).hexdigest()}"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Attribute encoding
+# Attributes
 # ---------------------------------------------------------------------------------------------------------
 def _attr_value(key: str, value: Any) -> Any:
     if isinstance(value, (bool, int, float, str, np.integer, np.floating, np.bool_)):
@@ -432,22 +243,27 @@ def _default_device() -> str:
 @dataclass
 class _SiteJob:
     run: str
-    site: str
-    attrs: dict[str, Any]               # order, layer, family, inputs, extra
+    row: dict[str, Any]                 # site table columns known at record time
     dtype: torch.dtype
     shape: tuple[int, ...]
-    stats: torch.Tensor                 # host (pinned when CUDA) float64 [9]
     data: torch.Tensor | None           # host copy of the stored part, or None
     token_slice: tuple[int, int] | None
-    ready: Any                          # torch.cuda.Event or None
-    nbytes: int
+    nbytes: int                         # host bytes held until written
+    device_values: torch.Tensor | None = None   # GPU: pinned STAT_VALUES, valid once `ready` fired
+    ready: Any = None                            # torch.cuda.Event
+    host_parts: list[Future] = field(default_factory=list)   # CPU: block_stats futures
+
+    def stat_values(self) -> list[float]:
+        if self.device_values is not None:
+            self.ready.synchronize()
+            return self.device_values.tolist()
+        return combine_blocks([part.result() for part in self.host_parts], int(np.prod(self.shape)))
 
 
 @dataclass
 class _Encoded:
     job: _SiteJob
     stats: dict[str, Any]
-    stored: bool
     dtype: np.dtype | None = None              # dataset dtype
     small: np.ndarray | None = None            # scalar or empty tensor, written without chunks
     chunk: tuple[int, ...] | None = None
@@ -462,9 +278,7 @@ class PendingSite:
         self._job = job
 
     def stats(self) -> dict[str, Any]:
-        if self._job.ready is not None:
-            self._job.ready.synchronize()
-        return stats_dict(self._job.stats.tolist(), self._job.dtype, self._job.shape)
+        return stats_dict(self._job.stat_values(), self._job.dtype, self._job.shape)
 
 
 class CaptureWriter:
@@ -493,6 +307,7 @@ class CaptureWriter:
         self._file.flush()
         self._orders: dict[str, int] = {}
         self._seen: dict[str, set[str]] = {}
+        self._rows: dict[str, list[tuple]] = {}          # writer thread: site rows waiting for end_layer
         self._pool = ThreadPoolExecutor(workers or os.cpu_count() or 2, thread_name_prefix="capture-encode")
         self._prepare_q: queue.Queue = queue.Queue()
         self._write_q: queue.Queue = queue.Queue(maxsize=4)     # bounds encoded sites waiting for HDF5
@@ -545,16 +360,18 @@ class CaptureWriter:
         """Per-site comparison results (metrics.compare / index_agreement dicts) of candidate_run."""
         self._check_open()
         _check_name("run", candidate_run)
-        self._submit(lambda: self._write_table(f"metrics/{candidate_run}", metrics, {"reference": reference_run}))
+        rows = _json_rows(metrics)
+        self._submit(lambda: self._append_json_rows(f"metrics/{candidate_run}", rows, {"reference": reference_run}))
 
     def write_floors(self, floors: Mapping[str, Mapping[str, float]], source: str = "") -> None:
         """Noise floors per site and metric, e.g. from reference (bf16) vs reference.fp64."""
         self._check_open()
-        self._submit(lambda: self._write_table("floors", floors, {"source": source}))
+        rows = _json_rows(floors)
+        self._submit(lambda: self._append_json_rows("floors", rows, {"source": source}))
 
     def write_verdict(self, verdict: Mapping[str, Any]) -> None:
         self._check_open()
-        text = json.dumps(verdict, default=str)
+        text = json.dumps(verdict, default=_json_default)
         self._submit(lambda: self._set_json_attr("verdict", text))
 
     def close(self) -> Path:
@@ -563,6 +380,7 @@ class CaptureWriter:
             return self.path
         self._stop()
         self._raise_background_error()
+        self._append_rows()
         self._file.attrs["complete"] = True
         self._file.close()
         _fsync(self.tmp_path)
@@ -570,9 +388,11 @@ class CaptureWriter:
         return self.path
 
     def abort(self) -> Path:
-        """Stop, flush what was written and leave path.tmp (marked incomplete) behind; returns its path."""
+        """Stop, write what was recorded and leave path.tmp (marked incomplete) behind; returns its path."""
         if not self._closed:
             self._stop()
+            if self._error is None:
+                self._append_rows()
             self._file.close()
         return self.tmp_path
 
@@ -591,20 +411,23 @@ class CaptureWriter:
         if token_dim is None:
             token_dim = len(shape) > 0 and shape[0] == self.n_tokens
         store, token_slice = self.policy.decide(site, shape, bool(token_dim) and len(shape) > 0)
-        data = tensor.detach()[token_slice[0]:token_slice[1]] if token_slice else tensor.detach()
-        stats = device_stats(tensor)
-        ready = None
+        row = {"site": site, "order": self._orders[run], "layer": int(layer), "family": family,
+               "inputs": json.dumps(list(inputs)), "attrs": json.dumps(dict(extra), default=_json_default)}
+        job = _SiteJob(run, row, tensor.dtype, shape, None, token_slice, 0)
+        source = tensor.detach()
         if tensor.is_cuda:
-            stats = _pinned_copy(stats)
-            data = _pinned_copy(data) if store else None
-            ready = torch.cuda.Event()
-            ready.record()
-        else:   # the caller may reuse its buffer once record() returns
-            data = data.clone(memory_format=torch.contiguous_format) if store else None
-        attrs = {"order": self._orders[run], "layer": int(layer), "family": family,
-                 "inputs": json.dumps(list(inputs)), **_check_extra(site, extra)}
-        nbytes = data.numel() * data.element_size() if data is not None else 0
-        return _SiteJob(run, site, attrs, tensor.dtype, shape, stats, data, token_slice, ready, nbytes)
+            job.device_values = _pinned_copy(device_stats(source))
+            job.data = _pinned_copy(_rows_of(source, token_slice)) if store else None
+            job.ready = torch.cuda.Event()
+            job.ready.record()
+        else:   # copy now: the caller may reuse its buffer once record() returns
+            host = source.clone(memory_format=torch.contiguous_format)
+            job.host_parts = [self._pool.submit(block_stats, block) for block in host_blocks(host)]
+            job.data = _rows_of(host, token_slice) if store else None
+            job.nbytes = host.numel() * host.element_size()
+        if job.data is not None and tensor.is_cuda:
+            job.nbytes = job.data.numel() * job.data.element_size()
+        return job
 
     def _submit(self, action: Callable[[], None]) -> None:
         self._prepare_q.put(action)
@@ -642,19 +465,17 @@ class CaptureWriter:
         self._write_q.put(None)
 
     def _encode(self, job: _SiteJob) -> _Encoded:
-        if job.ready is not None:
-            job.ready.synchronize()
-        stats = stats_dict(job.stats.tolist(), job.dtype, job.shape)
+        stats = stats_dict(job.stat_values(), job.dtype, job.shape)
         if job.data is None:
-            return _Encoded(job, stats, stored=False)
+            return _Encoded(job, stats)
         arr, dtype, widen = source_array(job.data)
         digest = self._pool.submit(content_hash, job.data)
         if arr.ndim == 0 or arr.size == 0:
-            return _Encoded(job, stats, True, dtype, small=storage_array(job.data), hash=digest)
+            return _Encoded(job, stats, dtype, small=storage_array(job.data), hash=digest)
         chunk = chunk_shape(arr.shape, dtype.itemsize)
-        chunks = [(origin, self._pool.submit(_encode_chunk, _chunk_at(arr, origin, chunk), self.compression, widen))
+        chunks = [(origin, self._pool.submit(encode_chunk, chunk_at(arr, origin, chunk), self.compression, widen))
                   for origin in itertools.product(*[range(0, s, c) for s, c in zip(arr.shape, chunk)])]
-        return _Encoded(job, stats, True, dtype, chunk=chunk, chunks=chunks, hash=digest)
+        return _Encoded(job, stats, dtype, chunk=chunk, chunks=chunks, hash=digest)
 
     def _write_loop(self) -> None:
         while (item := self._write_q.get()) is not None:
@@ -666,22 +487,26 @@ class CaptureWriter:
 
     def _create_run(self, run: str, attrs: dict[str, Any]) -> None:
         group = self._file["runs"].create_group(run)
-        group.create_group("sites", track_order=True)
-        attrs.setdefault("layers_completed", np.zeros(0, dtype=np.int64))
-        _set_attrs(group, {k: v for k, v in attrs.items() if k != "layers_completed"})
-        group.attrs["layers_completed"] = attrs["layers_completed"]
+        _set_attrs(group, attrs)
+        group.attrs["layers_completed"] = np.zeros(0, dtype=np.int64)
+        group.create_dataset("sites", shape=(0,), maxshape=(None,), dtype=SITE_DTYPE, chunks=(256,))
+        group.create_group("tensors", track_order=True)
+        self._rows[run] = []
 
     def _write_site(self, enc: _Encoded) -> None:
         job = enc.job
-        group = self._file[f"runs/{job.run}/sites"].create_group(job.site)
-        _set_attrs(group, {**job.attrs, **enc.stats, "stored": enc.stored})
-        if not enc.stored:
+        stats = dict(enc.stats, shape=json.dumps(enc.stats["shape"]),
+                     first_nonfinite=json.dumps(enc.stats.get("first_nonfinite")))
+        row = {**job.row, **stats, "stored": enc.dtype is not None}
+        self._rows[job.run].append(tuple(row[name] for name in SITE_DTYPE.names))
+        if enc.dtype is None:
             return
+        tensors = self._file[f"runs/{job.run}/tensors"]
         if enc.chunk is None:
-            dset = group.create_dataset("tensor", data=enc.small)
+            dset = tensors.create_dataset(job.row["site"], data=enc.small)
         else:
-            dset = group.create_dataset("tensor", shape=job.data.shape, dtype=enc.dtype, chunks=enc.chunk,
-                                        shuffle=True, compression="gzip", compression_opts=1)
+            dset = tensors.create_dataset(job.row["site"], shape=job.data.shape, dtype=enc.dtype, chunks=enc.chunk,
+                                          shuffle=True, compression="gzip", compression_opts=1)
             for origin, encoded in enc.chunks:
                 dset.id.write_direct_chunk(origin, encoded.result())
         dset.attrs["dtype"] = dtype_name(job.dtype)
@@ -689,24 +514,52 @@ class CaptureWriter:
         if job.token_slice is not None:
             dset.attrs["token_slice"] = np.asarray(job.token_slice, dtype=np.int64)
 
+    def _append_rows(self) -> None:
+        for run, rows in self._rows.items():
+            if rows:
+                table = self._file[f"runs/{run}/sites"]
+                start = table.shape[0]
+                table.resize((start + len(rows),))
+                table[start:] = np.array(rows, dtype=SITE_DTYPE)
+                rows.clear()
+
     def _finish_layer(self, run: str, layer: int, done: threading.Event) -> None:
+        self._append_rows()
         group = self._file[f"runs/{run}"]
         group.attrs["layers_completed"] = np.append(group.attrs["layers_completed"], np.int64(layer))
         self._file.flush()
         done.set()
 
-    def _write_table(self, name: str, rows: Mapping[str, Mapping[str, Any]], attrs: Mapping[str, str]) -> None:
-        table = self._file.require_group(name)
+    def _append_json_rows(self, name: str, rows: np.ndarray, attrs: Mapping[str, str]) -> None:
+        if name not in self._file:
+            self._file.create_dataset(name, shape=(0,), maxshape=(None,), dtype=JSON_TABLE_DTYPE, chunks=(256,))
+        table = self._file[name]
         _set_attrs(table, attrs)
-        for site, values in rows.items():
-            _check_name("site", site)
-            row = table.require_group(site)
-            _set_attrs(row, values)
+        start = table.shape[0]
+        table.resize((start + len(rows),))
+        table[start:] = rows
 
     def _set_json_attr(self, key: str, text: str) -> None:
         self._file.attrs[key] = text
         keys = set(plain(self._file.attrs["json_keys"])) | {key}
-        self._file.attrs["json_keys"] = np.asarray(sorted(keys), dtype=h5py.string_dtype())
+        self._file.attrs["json_keys"] = np.asarray(sorted(keys), dtype=_STR)
+
+
+def _rows_of(t: torch.Tensor, token_slice: tuple[int, int] | None) -> torch.Tensor:
+    return t[token_slice[0]:token_slice[1]] if token_slice else t
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.generic, np.ndarray, torch.Tensor)):
+        return value.tolist()
+    return str(value)
+
+
+def _json_rows(table: Mapping[str, Mapping[str, Any]]) -> np.ndarray:
+    for site in table:
+        _check_name("site", site)
+    rows = [(site, json.dumps(dict(values), default=_json_default)) for site, values in table.items()]
+    return np.array(rows, dtype=JSON_TABLE_DTYPE)
 
 
 class _ByteBudget:
@@ -751,14 +604,6 @@ def _check_writable(path: Path, tmp: Path, force: bool) -> None:
 def _check_name(kind: str, name: str) -> None:
     if not name or "/" in name or name in (".", ".."):
         raise BadInput(f"{kind} name {name!r} is not valid: it must be non-empty and contain no '/'")
-
-
-def _check_extra(site: str, extra: Mapping[str, Any]) -> dict[str, Any]:
-    reserved = {name for name, _, _ in SITE_ATTRS} - {"*"}
-    clash = sorted(reserved & set(extra))
-    if clash:
-        raise BadInput(f"site {site!r}: extra attributes {clash} clash with reserved capture attributes")
-    return dict(extra)
 
 
 def _keep_metadata_in_cache(f: h5py.File) -> None:
@@ -812,7 +657,7 @@ class CaptureReader:
         self._file = _open_capture(self.path)
         self.meta = _read_meta(self._file)
         self.complete = bool(self.meta.get("complete")) and not self.path.name.endswith(TMP_SUFFIX)
-        self._sites: dict[str, list[str]] = {}
+        self._records: dict[str, dict[str, dict[str, Any]]] = {}
 
     def runs(self) -> list[str]:
         return list(self._file["runs"].keys())
@@ -824,25 +669,17 @@ class CaptureReader:
         return [int(x) for x in self._run(run).attrs.get("layers_completed", [])]
 
     def sites(self, run: str) -> list[str]:
-        """Site names in execution order; sites cut off by a crash (attributes missing) are left out."""
-        if run not in self._sites:
-            group = self._run(run)["sites"]
-            named = [(int(group[name].attrs["order"]), name) for name in group if "order" in group[name].attrs]
-            self._sites[run] = [name for _, name in sorted(named)]
-        return self._sites[run]
+        """Site names in execution order."""
+        return list(self._site_records(run))
 
     def site(self, run: str, site: str) -> dict[str, Any]:
-        """Everything about one site: the record dict used by reports and verdicts (see README)."""
-        group = self._site_group(run, site)
-        attrs = {k: plain(v) for k, v in group.attrs.items()}
-        record = {"run": run, "site": site, "layer": attrs.pop("layer"), "order": attrs.pop("order"),
-                  "family": attrs.pop("family", ""), "inputs": json.loads(attrs.pop("inputs", "[]")),
-                  "stored": bool(attrs.pop("stored", False))}
-        record["stats"] = {k: attrs.pop(k) for k in (*STAT_KEYS, "numel", "dtype", "shape", "first_nonfinite")
-                           if k in attrs}
-        record["tensor"] = self._tensor_info(group) if record["stored"] else None
-        record["attrs"] = attrs
-        return record
+        """One site's record: site, run, order, layer, family, inputs, stored, stats, attrs, tensor (the
+        dataset's dtype, hash, token_slice, shape, chunks and bytes, or None)."""
+        records = self._site_records(run)
+        if site not in records:
+            raise BadInput(f"{self.path}: run {run!r} has no site {site!r}")
+        dset = self.dataset(run, site)
+        return {**records[site], "tensor": _tensor_info(dset) if dset is not None else None}
 
     def stats(self, run: str, site: str) -> dict[str, Any]:
         return self.site(run, site)["stats"]
@@ -852,8 +689,7 @@ class CaptureReader:
         return info["hash"] if info else None
 
     def dataset(self, run: str, site: str) -> h5py.Dataset | None:
-        group = self._site_group(run, site)
-        return group.get("tensor")
+        return self._run(run)["tensors"].get(site)
 
     def tensor(self, run: str, site: str) -> torch.Tensor:
         """The stored tensor (or its token slice) in its original dtype."""
@@ -879,14 +715,14 @@ class CaptureReader:
 
     def metrics(self, candidate_run: str) -> dict[str, dict[str, Any]]:
         """Per-site metrics of candidate_run against its reference (empty if none were written)."""
-        return self._table(f"metrics/{candidate_run}")
+        return self._json_table(f"metrics/{candidate_run}")
 
     def metrics_reference(self, candidate_run: str) -> str | None:
         name = f"metrics/{candidate_run}"
         return plain(self._file[name].attrs.get("reference")) if name in self._file else None
 
     def floors(self) -> dict[str, dict[str, float]]:
-        return self._table("floors")
+        return self._json_table("floors")
 
     def verdict(self) -> dict[str, Any] | None:
         return self.meta.get("verdict")
@@ -906,23 +742,41 @@ class CaptureReader:
             raise BadInput(f"{self.path}: no run {run!r}; runs are {', '.join(self.runs()) or '(none)'}")
         return self._file["runs"][run]
 
-    def _site_group(self, run: str, site: str) -> h5py.Group:
-        sites = self._run(run)["sites"]
-        if site not in sites:
-            raise BadInput(f"{self.path}: run {run!r} has no site {site!r}")
-        return sites[site]
+    def _site_records(self, run: str) -> dict[str, dict[str, Any]]:
+        if run not in self._records:
+            try:
+                rows = self._run(run)["sites"][()]
+            except (KeyError, OSError) as e:
+                raise BadInput(f"{self.path}: run {run!r} has no readable site table ({e})") from None
+            self._records[run] = {rec["site"]: rec for rec in (_site_record(run, row) for row in rows)}
+        return self._records[run]
 
-    def _tensor_info(self, group: h5py.Group) -> dict[str, Any]:
-        dset = group["tensor"]
-        info = {k: plain(v) for k, v in dset.attrs.items()}
-        info.update(shape=list(dset.shape), storage_dtype=str(dset.dtype), chunks=list(dset.chunks or []),
-                    stored_bytes=int(dset.id.get_storage_size()), logical_bytes=int(dset.size * dset.dtype.itemsize))
-        return info
-
-    def _table(self, name: str) -> dict[str, dict[str, Any]]:
+    def _json_table(self, name: str) -> dict[str, dict[str, Any]]:
         if name not in self._file:
             return {}
-        return {site: {k: plain(v) for k, v in row.attrs.items()} for site, row in self._file[name].items()}
+        table: dict[str, dict[str, Any]] = {}
+        for site, values in self._file[name][()]:        # later rows for a site update earlier ones
+            table.setdefault(plain(site), {}).update(json.loads(plain(values)))
+        return table
+
+
+def _site_record(run: str, row: np.void) -> dict[str, Any]:
+    v = {name: plain(row[name]) for name in SITE_DTYPE.names}
+    stats = {key: v[key] for key in (*STAT_KEYS, "numel", "dtype")}
+    stats["shape"] = json.loads(v["shape"])
+    first_bad = json.loads(v["first_nonfinite"])
+    if first_bad is not None:
+        stats["first_nonfinite"] = first_bad
+    return {"run": run, "site": v["site"], "order": v["order"], "layer": v["layer"], "family": v["family"],
+            "inputs": json.loads(v["inputs"]), "stored": bool(v["stored"]), "stats": stats,
+            "attrs": json.loads(v["attrs"])}
+
+
+def _tensor_info(dset: h5py.Dataset) -> dict[str, Any]:
+    info = {k: plain(v) for k, v in dset.attrs.items()}
+    info.update(shape=list(dset.shape), storage_dtype=str(dset.dtype), chunks=list(dset.chunks or []),
+                stored_bytes=int(dset.id.get_storage_size()), logical_bytes=int(dset.size * dset.dtype.itemsize))
+    return info
 
 
 def _open_capture(path: Path) -> h5py.File:
@@ -960,17 +814,22 @@ def _read_meta(f: h5py.File) -> dict[str, Any]:
 # Documentation
 # ---------------------------------------------------------------------------------------------------------
 def attribute_doc() -> str:
-    """Markdown tables of every documented attribute (pasted into captures/README.md)."""
-    sections = (("Root `/`", ROOT_ATTRS), ("Run `/runs/<run>`", RUN_ATTRS),
-                ("Site `/runs/<run>/sites/<site>`", SITE_ATTRS),
-                ("Dataset `/runs/<run>/sites/<site>/tensor`", TENSOR_ATTRS),
-                ("Metrics and floors", FLOOR_METRIC_ATTRS))
+    """Markdown tables of every documented attribute and column (pasted into captures/README.md)."""
     out = []
-    for title, rows in sections:
-        out += [f"#### {title}", "", "| attribute | type | meaning |", "|---|---|---|"]
-        out += [f"| `{name}` | {kind} | {meaning} |" for name, kind, meaning in rows]
-        out.append("")
+    for title, rows in (("Root `/` attributes", ROOT_ATTRS), ("Run `/runs/<run>` attributes", RUN_ATTRS)):
+        out += _table(title, ("attribute", "type", "meaning"), rows)
+    columns = [(name, kind, meaning) for name, _, kind, meaning in SITE_COLUMNS]
+    out += _table("Site table `/runs/<run>/sites`: one row per site, in execution order",
+                  ("column", "type", "meaning"), columns)
+    out += _table("Tensor `/runs/<run>/tensors/<site>` attributes", ("attribute", "type", "meaning"), TENSOR_ATTRS)
+    out += _table("Metrics and floors", ("dataset", "content"), JSON_TABLES)
     return "\n".join(out)
+
+
+def _table(title: str, heads: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = [f"#### {title}", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| `" + row[0] + "` | " + " | ".join(row[1:]) + " |" for row in rows]
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

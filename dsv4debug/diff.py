@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from .capture import CaptureReader, from_storage, plain
+from .capture import CaptureReader, plain
 from .errors import BadInput
+from .h5chunks import from_storage
 from .metrics import MetricAccumulator
 
 

@@ -56,16 +56,26 @@ def run_mode(reader: CaptureReader, run: str) -> str:
 
 def run_records(reader: CaptureReader, run: str, budget: float = DEFAULT_BUDGET) -> list[dict[str, Any]]:
     """verdict-style records of a run: stats, metrics against its reference and floors where present."""
-    metrics, floors = reader.metrics(run), reader.floors()
+    metrics, floors, mode = reader.metrics(run), reader.floors(), run_mode(reader, run)
     records = []
     for site in reader.sites(run):
         info = reader.site(run, site)
         rec = {"site": site, "layer": info["layer"], "family": info["family"], "inputs": info["inputs"],
-               "stats": info["stats"], "metrics": metrics.get(site), "floor": floors.get(site),
+               "stats": info["stats"], "metrics": metrics.get(site), "floor": floor_for(floors.get(site), mode),
                "stored": info["stored"]}
         rec["judged"] = judge(rec, budget)
         records.append(rec)
     return records
+
+
+def floor_for(floor: Mapping[str, Any] | None, mode: str) -> dict[str, Any] | None:
+    """Floors keyed by metric; the runner also writes rel_l2_local / rel_l2_free (forced / free-running)."""
+    if not floor:
+        return None
+    out = dict(floor)
+    if "rel_l2" not in out:
+        out["rel_l2"] = floor.get("rel_l2_local" if mode == "forced" else "rel_l2_free")
+    return out
 
 
 def build_report(reader: CaptureReader, budget: float = DEFAULT_BUDGET) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Pure functions on plain dicts, so the runner can call them live and `report` from a capture file. A record:
 
     {"site": "layers.3.attn.wq_a", "layer": 3, "family": "linear", "inputs": ["layers.3.attn_norm"],
-     "stats": {...},       # statistics of this run's output (capture.stats_dict keys: nan_count, inf_count ...)
+     "stats": {...},       # statistics of this run's output (tensorstats.stats_dict: nan_count, inf_count ...)
      "metrics": {...},     # optional: metrics.compare / index_agreement of this run against the reference
      "floor": {...}}       # optional: noise floor per metric name for this site (e.g. {"rel_l2": 0.002})
 

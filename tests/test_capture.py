@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -21,10 +22,9 @@ from dsv4debug.capture import (
     SavePolicy,
     attribute_doc,
     chunk_shape,
-    encode_planes,
-    shuffled_planes,
-)
+    )
 from dsv4debug.errors import BadInput
+from dsv4debug.h5chunks import encode_planes, shuffled_planes
 
 T = 12
 
@@ -153,7 +153,7 @@ def test_plain_h5py_reads_stored_tensors_and_hash(tmp_path):
         with CaptureWriter(path, meta(), "full", compression=compression) as w:
             w.record("reference", "layers.0.ffn", x, layer=0)
         with h5py.File(path, "r") as f:
-            dset = f["runs/reference/sites/layers.0.ffn/tensor"]
+            dset = f["runs/reference/tensors/layers.0.ffn"]
             data = dset[()]
             assert dset.dtype == np.float32 and dset.compression == "gzip" and dset.shuffle
             assert np.array_equal(data, x.float().numpy())
@@ -203,10 +203,12 @@ def test_metrics_floors_verdict_round_trip(tmp_path):
     with CaptureWriter(path, meta()) as w:
         w.record("reference", "embed", torch.ones(T, 4), layer=-1)
         w.write_metrics("candidate", {"embed": {"cosine": 0.5, "max_abs_index": [1, 2], "max_rel_index": None}})
+        w.write_metrics("candidate", {"embed": {"rel_l2": math.inf}})
         w.write_floors({"embed": {"rel_l2": 0.002}}, source="reference vs reference.fp64")
         w.write_verdict({"status": "diverged", "gain": None})
     with CaptureReader(path) as r:
-        assert r.metrics("candidate") == {"embed": {"cosine": 0.5, "max_abs_index": [1, 2]}}
+        assert r.metrics("candidate") == {"embed": {"cosine": 0.5, "max_abs_index": [1, 2], "max_rel_index": None,
+                                                    "rel_l2": math.inf}}
         assert r.metrics_reference("candidate") == "reference"
         assert r.floors() == {"embed": {"rel_l2": 0.002}}
         assert r.verdict() == {"status": "diverged", "gain": None}
@@ -219,8 +221,6 @@ def test_record_twice_and_bad_names(tmp_path):
             w.record("reference", "embed", torch.ones(2), layer=-1)
         with pytest.raises(BadInput, match="no '/'"):
             w.record("reference", "a/b", torch.ones(2), layer=-1)
-        with pytest.raises(BadInput, match="reserved"):
-            w.record("reference", "x", torch.ones(2), layer=0, attrs={"layer": 3})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -333,6 +333,7 @@ def test_diff_finds_one_perturbed_element(tmp_path):
     assert doc["counts"] == {"identical": 8, "exceeds": 1}
     text = run_app("diff", a, b)
     assert text.exit_code == 1 and "layers.1.attn.wq_a" in text.output and "[3, 2, 7]" in text.output
+    assert run_main("diff", a, b) == 1 and run_main("diff", a, a) == 0
 
 
 def test_diff_stats_fallback_missing_sites_and_rules(tmp_path):

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from dsv4debug.capture import device_stats, stats_dict
 from dsv4debug.metrics import compare
+from dsv4debug.tensorstats import device_stats, stats_dict
 from dsv4debug.verdict import first_divergence, nan_origin, summarize, worst_sites
 
 

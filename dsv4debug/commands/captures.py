@@ -140,16 +140,19 @@ def _print_verdict(verdict: dict[str, Any], source: str) -> None:
     console.print(f"[{color}]verdict: {verdict.get('status')}[/] - {verdict.get('message', '')} ({source})")
     origin = verdict.get("nan_origin")
     if origin:
-        console.print(f"  NaN origin: [bold]{origin['site']}[/] (layer {origin['layer']}), {origin['nan_count']} NaN, "
-                      f"{origin['inf_count']} Inf, first at {origin['first_nonfinite']}; inputs:")
-        for name, stats in origin["inputs"].items():
-            console.print(f"    {name}: " + (", ".join(f"{k}={fmt(stats.get(k))}" for k in STAT_COLUMNS)
-                                             if stats else "not recorded"))
+        count = origin.get("nan_count", origin.get("count"))
+        where = origin.get("first_nonfinite", origin.get("coord"))
+        console.print(f"  NaN origin: [bold]{origin['site']}[/] (layer {origin.get('layer')}), {count} non-finite, "
+                      f"first at {where}")
+        for name, stats in (origin.get("inputs") or {}).items():
+            console.print(f"    input {name}: " + (", ".join(f"{k}={fmt(stats.get(k))}" for k in STAT_COLUMNS)
+                                                   if stats else "not recorded"))
     for key, label in (("first_local_divergence", "bug (local error)"), ("first_divergence", "symptom (accumulated)")):
         item = verdict.get(key)
         if item:
-            console.print(f"  {label}: [bold]{item['site']}[/] {item['metric']}={fmt(item['error'])} = "
-                          f"{fmt(item['x_floor'])}x floor (floor {fmt(item['floor'])}, budget {fmt(item['budget'])})")
+            console.print(f"  {label}: [bold]{item['site']}[/] {item.get('metric', 'rel_l2')}="
+                          f"{fmt(item.get('error', item.get('rel_l2')))} = {fmt(item.get('x_floor'))}x floor "
+                          f"(floor {fmt(item.get('floor'))}, tolerance {fmt(item.get('tolerance'))})")
     if verdict.get("gain") is not None:
         console.print(f"  gain from bug to symptom: {fmt(verdict['gain'])}x")
     logits = verdict.get("logits_check")
