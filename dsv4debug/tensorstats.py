@@ -67,7 +67,7 @@ def host_blocks(t: torch.Tensor) -> list[np.ndarray]:
 
 def block_stats(block: np.ndarray) -> np.ndarray:
     """[n_nan, n_finite, min, max, sum, sumsq, first non-finite index or -1] of one block (uint16 = bf16 bits)."""
-    x = (block.astype(np.uint32) << 16).view(np.float32) if block.dtype == np.uint16 else block
+    x = _widen_bf16(block) if block.dtype == np.uint16 else block
     lo, hi = x.min(), x.max()                                 # NaN propagates: one pass tells all-finite
     if np.isfinite(lo) and np.isfinite(hi):
         x64 = x.astype(np.float64)
@@ -79,6 +79,12 @@ def block_stats(block: np.ndarray) -> np.ndarray:
     hi = x[finite].max() if n_finite else -np.inf
     return np.array([np.isnan(x).sum(), n_finite, lo, hi, kept.sum(), np.dot(kept, kept), np.argmin(finite)],
                     dtype=np.float64)
+
+
+def _widen_bf16(bits: np.ndarray) -> np.ndarray:
+    wide = bits.astype(np.uint32)
+    np.left_shift(wide, 16, out=wide)
+    return wide.view(np.float32)
 
 
 def combine_blocks(parts: Sequence[np.ndarray], numel: int) -> list[float]:
