@@ -182,7 +182,7 @@ class Checkpoint:
                            f"from config.json ({self._shape_hint(tensor)})")
 
     def _check_unknown(self, expected: set[str]) -> None:
-        for name in self.entries.keys() - expected:
+        for name in sorted(self.entries.keys() - expected):
             contradiction = self._contradiction(name)
             if contradiction:
                 raise BadInput(f"tensor '{name}' in {self.file_of(name)} contradicts config.json: {contradiction}")

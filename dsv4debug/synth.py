@@ -237,10 +237,11 @@ def _check_target(out: Path, force: bool) -> None:
                            "(no config.json, no *.safetensors)")
 
 
-def _install(tmp: Path, out: Path) -> None:
+def _install(tmp: Path, out: Path, force: bool) -> None:
     """Move the finished temp dir into place; an old checkpoint is swapped out first, then deleted."""
     old = None
     if out.is_dir() and any(out.iterdir()):
+        _check_target(out, force)       # again: OUT may have appeared while we were writing
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)
     try:
@@ -287,7 +288,7 @@ def make_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, expert
     tmp.mkdir()
     try:
         _write_all(tmp, cfg, seed, torch.device(device or "cpu"), progress)
-        _install(tmp, out)
+        _install(tmp, out, force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -422,6 +422,19 @@ def test_make_force_replaces_and_failure_leaves_nothing(mx, tmp_path, monkeypatc
     assert json.loads((out / INDEX).read_text())["metadata"]["seed"] == 2        # old one intact
 
 
+def test_make_does_not_replace_a_checkpoint_that_appeared_meanwhile(tmp_path, monkeypatch):
+    out = tmp_path / "ck"
+    write_all = synth._write_all
+
+    def racing(*args, **kwargs):
+        write_all(*args, **kwargs)
+        out.mkdir()
+        (out / "config.json").write_text("{}")        # someone else finished first
+    monkeypatch.setattr(synth, "_write_all", racing)
+    bad_input(lambda: make_checkpoint(out, preset("tiny", layers=1, experts=2)), str(out), "--force")
+    assert (out / "config.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
 def test_default_checkpoint_is_made_once(tmp_path, monkeypatch):
     monkeypatch.setenv("DSV4DEBUG_CACHE", str(tmp_path / "cache"))
     path = default_checkpoint()
