@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 import dsv4debug.api as dd
+from dsv4debug.backends.registry import make_backend
 from dsv4debug.config import preset
 from dsv4debug.execute import Executor, Side, WeightSource
 from dsv4debug.model import State, stages
-from dsv4debug.backends.registry import make_backend
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -12,22 +12,23 @@ from __future__ import annotations
 
 import fnmatch
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from . import __version__
+from .backends.registry import make_backend
 from .checkpoint import Checkpoint
-from .synth import default_checkpoint
 from .errors import BadInput
 from .execute import Executor, OpEvent, Side, WeightSource
 from .faults import Fault, parse_fault
 from .model import State, stages
 from .runner import RunOptions, RunResult, parse_layers
 from .runner import run as run_side_by_side
-from .backends.registry import make_backend
+from .synth import default_checkpoint
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp64": torch.float64, "float64": torch.float64}
@@ -186,4 +187,4 @@ def write_results(writer, result: RunResult) -> None:
     writer.write_verdict(result.verdict)
 
 
-__all__ = ["open_model", "make_tokens", "reference", "run", "ReferenceOutput", "RunResult", "Fault"]
+__all__ = ["Fault", "ReferenceOutput", "RunResult", "make_tokens", "open_model", "reference", "run"]

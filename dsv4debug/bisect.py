@@ -8,8 +8,9 @@ divergence disappears without it, leaving a minimal set of candidate families th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -19,9 +20,9 @@ from .checkpoint import Checkpoint
 from .errors import BadInput
 from .execute import Executor, Side, WeightSource
 from .faults import Fault
+from .metrics import MIN_FLOORS
 from .model import State, stages
 from .runner import QUANTIZED_FREE_BAR, HybridBackend, rel_l2
-from .metrics import MIN_FLOORS
 from .verdict import DEFAULT_BUDGET
 
 

@@ -139,7 +139,7 @@ class ModelConfig:
     def layer_types(self) -> list[str]:
         return [self.layer_type(i) for i in range(self.n_layers)]
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         """Check the structural constraints the model and the checkpoint formats rely on."""
         def need(cond: bool, what: str) -> None:
             if not cond:
@@ -196,7 +196,7 @@ class ModelConfig:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], name: str = "custom", source: str = "config") -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any], name: str = "custom", source: str = "config") -> ModelConfig:
         """Build from an HF config.json dict, a DeepSeek inference/config.json dict, or our own to_dict()."""
         known = {f.name for f in dataclasses.fields(cls)}
         kw: dict[str, Any] = {}
@@ -229,7 +229,7 @@ class ModelConfig:
         return cfg.validate()
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         try:
             d = json.loads(path.read_text())
@@ -242,7 +242,7 @@ class ModelConfig:
         return cls.from_dict(d, name=path.parent.name or "custom", source=str(path))
 
     # ---- presets -------------------------------------------------------------------------------
-    def shrink(self, layers: int | None = None, experts: int | None = None) -> "ModelConfig":
+    def shrink(self, layers: int | None = None, experts: int | None = None) -> ModelConfig:
         """Fewer main layers (keeping the first ones and the MTP ratio) and/or fewer routed experts."""
         cfg = dataclasses.replace(self, compress_ratios=list(self.compress_ratios))
         if layers is not None:

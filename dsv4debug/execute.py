@@ -7,8 +7,9 @@ observer. A free run is an Executor with no shadows.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -36,18 +37,27 @@ class WeightSource:
         self._cache.clear()
 
 
+ROUTER_PINS = ("ids", "ids+weights")
+
+
 @dataclass
 class Side:
-    run: str                                   # capture run name: reference, candidate, candidate.local, ...
+    run: str                                   # capture run name: reference, candidate, candidate.forced, ...
     backend: Backend
     weights: WeightSource
     faults: list[Fault] = field(default_factory=list)
+    # router pinning: the gate's expert ids (and weights) come from `pinned(site)` (the reference's outputs),
+    # separating routing error from expert-kernel error in a free run
+    pin: str | None = None
+    pinned: Callable[[str], tuple] | None = None
 
     def __post_init__(self):
         self.faults = [f for f in self.faults if not f.on_weights]
 
     def call(self, site: str, op: str, args: tuple, kw: dict) -> Any:
         resolved = [self.weights.get(a.name) if isinstance(a, W) else a for a in args]
+        if op == "gate" and self.pin:
+            return self._pinned_gate(site, resolved, kw)
         try:
             out = self.backend.op(op)(*resolved, **kw)
         except UnsupportedOp as e:
@@ -56,6 +66,16 @@ class Side:
             if f.matches(site) and self.backend.is_candidate_op(op):
                 out = _map_first(out, lambda t: apply_activation_fault(f, site, t))
         return out
+
+    def _pinned_gate(self, site: str, args: list, kw: dict) -> Any:
+        """Route by the reference's ids: the candidate's gate weighs them with its own scores, as a hash
+        layer would (a per-position table), unless the weights are pinned too."""
+        ref_weights, ref_ids, _ = self.pinned(site)
+        x, w, bias, _, _ = args
+        table = QWeight(f"{site}.pinned_ids", "i64", {"": ref_ids.cpu()})
+        positions = torch.arange(ref_ids.size(0), device=ref_ids.device)
+        weights, ids, scores = self.backend.op("gate")(x, w, bias, table, positions, **kw)
+        return (ref_weights if self.pin == "ids+weights" else weights), ids, scores
 
     def end_stage(self) -> None:
         self.backend.end_stage()

@@ -9,11 +9,11 @@ time and compare or swap sides at layer boundaries. Shapes: S tokens, M = hc_mul
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
-
 from dsv4_references import rope as rope_ref
 from dsv4_references.attention import assemble_idxs, causal_compressed_idxs, window_idxs
 

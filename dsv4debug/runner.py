@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -23,12 +24,11 @@ from .backends.base import Backend, family_of
 from .backends.registry import make_backend
 from .config import ModelConfig
 from .errors import BadInput
-from .execute import Executor, OpEvent, Side, WeightSource, check_faults_target_sites
+from .execute import ROUTER_PINS, Executor, OpEvent, Side, WeightSource, check_faults_target_sites
 from .faults import Fault
 from .metrics import compare_fast, index_agreement
-from .verdict import DEFAULT_BUDGET, judge, summarize
 from .model import State, stages
-
+from .verdict import DEFAULT_BUDGET, judge, summarize
 
 # Relative-L2 error that quantised serving numerics (FP8 activations per 1x128, NVFP4 activations per 16 for
 # experts) are expected to add, per op family: e4m3 keeps 4 significant bits (relative rounding error
@@ -68,12 +68,15 @@ class RunOptions:
     budget: float = DEFAULT_BUDGET            # tolerance = budget x noise floor
     reference_families: tuple[str, ...] = ()  # op families the candidate side runs on the reference backend
     reference_below: int = 0                  # layers < this run entirely on the reference backend (bisect)
+    pin_router: str | None = None             # free candidate routes with the reference's ids | ids+weights
 
     def __post_init__(self):
         if self.mode not in ("free", "forced", "both"):
             raise BadInput(f"--mode {self.mode!r}: choose free, forced or both")
         if self.forcing not in ("op", "layer"):
             raise BadInput(f"--forcing {self.forcing!r}: choose op or layer")
+        if self.pin_router not in (None, *ROUTER_PINS):
+            raise BadInput(f"--pin-router {self.pin_router!r}: choose {' or '.join(ROUTER_PINS)}")
 
 
 @dataclass
@@ -360,6 +363,9 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
     hi_free = side(hi, make_backend(opts.reference, dev, hi_dtype))
     cand_forced = side("candidate.forced", cand_backend, opts.faults)
     cand_free = side("candidate", cand_backend, opts.faults)
+    if opts.pin_router:
+        cand_free.pin = opts.pin_router
+        cand_free.pinned = lambda site: tuple(cmp.ref_out[s] for s in (site, site + ".topk_ids", site + ".scores"))
     cand_below = side("candidate", make_backend(opts.reference, dev))      # bisect: layers below k
     do_forced = opts.mode in ("forced", "both")
     do_free = opts.mode in ("free", "both")
@@ -431,3 +437,40 @@ def site_table(cfg: ModelConfig, seqlen: int = 8, layers: range | None = None) -
     """Sites with op, family and output shape/dtype from a dry run of the flow on the shape-only backend."""
     from .backends.shapes import trace_sites
     return trace_sites(cfg, seqlen, layers)
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, with NaN equal to NaN (a deterministic NaN is still deterministic)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.nan_to_num(), b.nan_to_num()) if a.is_floating_point() else torch.equal(a, b)
+
+
+def repeat_check(checkpoint, token_ids: torch.Tensor, candidate: str, repeats: int = 2, device: str = "cpu",
+                 qat: bool = True, faults: list[Fault] = ()) -> dict[str, Any]:
+    """Bitwise determinism of a backend: each stage runs `repeats` times on the same input; the first site
+    whose outputs differ between repetitions is named (with how many elements and by how much)."""
+    if repeats < 2:
+        raise BadInput(f"--repeat {repeats}: needs at least 2 runs to compare")
+    backend = make_backend(candidate, device)
+    side = Side("candidate", backend, WeightSource(checkpoint, list(faults)), list(faults))
+    state = State(token_ids.to(device))
+    compared, first = 0, None
+    for stage in stages(checkpoint.config, token_ids.numel(), device, qat):
+        outs: list[dict[str, torch.Tensor]] = []
+        for _ in range(repeats):
+            seen: dict[str, torch.Tensor] = {}
+            new_state = _run_stage(stage, side, state, lambda ev: seen.update(ev.outputs))
+            outs.append(seen)
+        for site, t in outs[0].items():
+            compared += 1
+            for other in outs[1:]:
+                u = other[site]
+                if first is None and not _bitwise_equal(t, u):
+                    diff = (u.double() - t.double()).abs() if u.shape == t.shape else None
+                    first = {"site": site, "layer": stage.layer,
+                             "mismatches": int((diff != 0).sum()) if diff is not None else None,
+                             "max_abs": float(diff.nan_to_num(nan=math.inf).max()) if diff is not None else None}
+        state = new_state
+    return {"backend": candidate, "repeats": repeats, "sites_compared": compared,
+            "deterministic": first is None, "first_difference": first}

@@ -3,8 +3,17 @@
 One module per op family, mirroring kernels/: norm, rope, mhc, linear, attention, moe, quant.
 Every op runs in the activation dtype (bf16 reference, fp32/fp64 twins for noise floors).
 """
-from .attention import (assemble_idxs, causal_compressed_idxs, compress, indexer_q, indexer_scores,
-                        indexer_topk, kv_qat, sparse_attn, window_idxs)
+from .attention import (
+                        assemble_idxs,
+                        causal_compressed_idxs,
+                        compress,
+                        indexer_q,
+                        indexer_scores,
+                        indexer_topk,
+                        kv_qat,
+                        sparse_attn,
+                        window_idxs,
+)
 from .linear import grouped_linear, linear, linear_fp32
 from .mhc import hc_head, hc_post, hc_pre, split_sinkhorn
 from .moe import expert, gate, moe_combine
@@ -13,8 +22,31 @@ from .quant import e2m1_round, fp4_sim, fp8_sim, rotate_activation
 from .rope import apply_rope, rope_freqs
 
 __all__ = [
-    "assemble_idxs", "causal_compressed_idxs", "compress", "indexer_q", "indexer_scores", "indexer_topk",
-    "kv_qat", "sparse_attn", "window_idxs", "grouped_linear", "linear", "linear_fp32", "hc_head", "hc_post",
-    "hc_pre", "split_sinkhorn", "expert", "gate", "moe_combine", "head_rms_norm", "rms_norm", "e2m1_round",
-    "fp4_sim", "fp8_sim", "rotate_activation", "apply_rope", "rope_freqs",
+                        "apply_rope",
+                        "assemble_idxs",
+                        "causal_compressed_idxs",
+                        "compress",
+                        "e2m1_round",
+                        "expert",
+                        "fp4_sim",
+                        "fp8_sim",
+                        "gate",
+                        "grouped_linear",
+                        "hc_head",
+                        "hc_post",
+                        "hc_pre",
+                        "head_rms_norm",
+                        "indexer_q",
+                        "indexer_scores",
+                        "indexer_topk",
+                        "kv_qat",
+                        "linear",
+                        "linear_fp32",
+                        "moe_combine",
+                        "rms_norm",
+                        "rope_freqs",
+                        "rotate_activation",
+                        "sparse_attn",
+                        "split_sinkhorn",
+                        "window_idxs",
 ]

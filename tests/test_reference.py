@@ -1,10 +1,10 @@
 """The BF16 reference (references/ + the model flow): the model's invariants on the tiny preset."""
 import math
 
+import dsv4_references as ref
 import pytest
 import torch
 
-import dsv4_references as ref
 import dsv4debug.api as dd
 from dsv4debug.runner import site_table
 

@@ -6,7 +6,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 import dsv4debug.api as dd
 from dsv4debug.backends import registry

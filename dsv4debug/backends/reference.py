@@ -1,9 +1,8 @@
 """The reference backend: every op from dsv4_references (references/), in the activation dtype."""
 from __future__ import annotations
 
-import torch
-
 import dsv4_references as ref
+import torch
 
 from ..formats import QWeight
 from .base import Backend

@@ -8,9 +8,8 @@ It shows how much divergence quantisation alone explains, on any machine:
 """
 from __future__ import annotations
 
-import torch
-
 import dsv4_references as ref
+import torch
 from dsv4_references.quant import e2m1_round
 
 from .reference import ReferenceBackend

@@ -5,7 +5,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -67,7 +67,7 @@ def _print_verdict(v: dict[str, Any], missing: list[str], candidate: str) -> Non
         t.add_row("gain", "", "", "", "", _fmt(v["gain"]), "")
     if t.row_count:
         out.print(t)
-    worst = v.get("worst_local") or v.get("worst") or []
+    worst = [w for w in (v.get("worst_local") or v.get("worst") or []) if w["x_floor"] > 0]
     if worst:
         w = Table(title="worst sites (x floor)")
         for col in ("site", "family", "error", "floor", "x floor"):
@@ -77,24 +77,27 @@ def _print_verdict(v: dict[str, Any], missing: list[str], candidate: str) -> Non
         out.print(w)
 
 
-def run(checkpoint: Optional[Path] = CheckpointArg,
-        tokens: Optional[str] = typer.Option(None, help="Comma-separated token ids."),
-        prompt: Optional[str] = typer.Option(None, help="Text (needs tokenizer.json and transformers)."),
-        seq_len: Optional[int] = typer.Option(None, help="Pseudo-random token ids of this length (default 256)."),
+def run(checkpoint: Path | None = CheckpointArg,
+        tokens: str | None = typer.Option(None, help="Comma-separated token ids."),
+        prompt: str | None = typer.Option(None, help="Text (needs tokenizer.json and transformers)."),
+        seq_len: int | None = typer.Option(None, help="Pseudo-random token ids of this length (default 256)."),
         candidate: str = typer.Option("sim", help="Candidate backend (reference, sim, kernels, or a plugin)."),
         reference: str = typer.Option("reference", help="Reference backend."),
         mode: str = typer.Option("both", help="free | forced | both."),
         forcing: str = typer.Option("op", help="Teacher forcing granularity: op | layer."),
-        layers: Optional[str] = typer.Option(None, help="Main layers to compare, A:B (earlier ones run on the reference)."),
+        layers: str | None = typer.Option(None, help="Main layers to compare, A:B (earlier ones run on the reference)."),
         device: str = typer.Option("cpu", help="cpu | cuda."),
-        capture: Optional[Path] = typer.Option(None, help="Write an HDF5 capture here."),
+        capture: Path | None = typer.Option(None, help="Write an HDF5 capture here."),
         save: str = typer.Option("stats", help="stats | full | tokens:A:B | sites:REGEX (comma-combinable)."),
         force: bool = typer.Option(False, help="Overwrite an existing capture."),
         inject: list[str] = typer.Option([], help="Plant a fault KIND@SITE[:ARG] in the candidate (repeatable)."),
-        reference_ops: Optional[str] = typer.Option(None, help="Op families the candidate runs on the reference, "
+        reference_ops: str | None = typer.Option(None, help="Op families the candidate runs on the reference, "
                                                     f"explicitly ({', '.join(FAMILIES)})."),
         qat: bool = typer.Option(True, help="QAT simulations (KV fp8, indexer fp4) in model.py."),
-        budget: Optional[float] = typer.Option(None, help="Tolerance in multiples of the noise floor (default 8)."),
+        budget: float | None = typer.Option(None, help="Tolerance in multiples of the noise floor (default 8)."),
+        pin_router: str | None = typer.Option(None, help="The free candidate routes with the reference's "
+                                                 "expert ids (ids) or ids and weights (ids+weights)."),
+        repeat: int = typer.Option(1, help="Also run the candidate N times per stage: bitwise determinism."),
         json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
         ) -> None:
     """Run reference and candidate side by side and name where NaN or divergence starts."""
@@ -109,17 +112,29 @@ def run(checkpoint: Optional[Path] = CheckpointArg,
     with _progress(not json_out and sys.stderr.isatty()) as progress:
         result = api.run(model, ids, candidate=candidate, reference_backend=reference, mode=mode, forcing=forcing,
                          layers=layers, device=device, qat=qat, inject=inject, budget=budget, capture=capture,
-                         save=save, force=force, reference_families=fams, progress=_stage_callback(progress))
+                         save=save, force=force, reference_families=fams, pin_router=pin_router,
+                         progress=_stage_callback(progress))
+    determinism = None
+    if repeat > 1:
+        from ..faults import parse_fault
+        from ..runner import repeat_check
+        determinism = repeat_check(model, ids, candidate, repeat, device, qat, [parse_fault(f) for f in inject])
+    failed = result.diverged or (determinism is not None and not determinism["deterministic"])
     if json_out:
-        doc = {"verdict": result.verdict, "missing_ops": result.missing_ops, "timings_s": result.timings,
+        doc = {"verdict": result.verdict, "determinism": determinism, "missing_ops": result.missing_ops,
+               "timings_s": result.timings,
                "capture": str(capture) if capture else None,
                "sites": [r.to_dict(result.options.budget) for r in result.sites]}
         out.print_json(json.dumps(doc, default=_json_default))
     else:
         _print_verdict(result.verdict, result.missing_ops, candidate)
+        if determinism is not None:
+            d = determinism["first_difference"]
+            out.print(f"determinism over {repeat} runs: " + ("[green]bitwise identical[/]" if d is None else
+                      f"[red]first difference at {d['site']}[/] ({d['mismatches']} elements, max {d['max_abs']})"))
         if capture:
             out.print(f"capture written: {capture}")
-    raise typer.Exit(1 if result.diverged else 0)
+    raise typer.Exit(1 if failed else 0)
 
 
 def _json_default(x: Any) -> Any:
@@ -128,16 +143,16 @@ def _json_default(x: Any) -> Any:
     return str(x)
 
 
-def bisect(checkpoint: Optional[Path] = CheckpointArg,
-           tokens: Optional[str] = typer.Option(None, help="Comma-separated token ids."),
-           seq_len: Optional[int] = typer.Option(None, help="Pseudo-random token ids of this length (default 256)."),
+def bisect(checkpoint: Path | None = CheckpointArg,
+           tokens: str | None = typer.Option(None, help="Comma-separated token ids."),
+           seq_len: int | None = typer.Option(None, help="Pseudo-random token ids of this length (default 256)."),
            candidate: str = typer.Option("sim", help="Candidate backend."),
            reference: str = typer.Option("reference", help="Reference backend."),
            axis: str = typer.Option("layers", help="layers | ops | both."),
            device: str = typer.Option("cpu", help="cpu | cuda."),
            inject: list[str] = typer.Option([], help="Plant a fault KIND@SITE[:ARG] in the candidate."),
            qat: bool = typer.Option(True, help="QAT simulations in model.py."),
-           budget: Optional[float] = typer.Option(None, help="Tolerance in multiples of the logits' noise floor."),
+           budget: float | None = typer.Option(None, help="Tolerance in multiples of the logits' noise floor."),
            json_out: bool = typer.Option(False, "--json", help="Print the whole search as JSON."),
            ) -> None:
     """Binary search over layers, or knockout over op families, judged on the final logits."""
@@ -164,8 +179,8 @@ def bisect(checkpoint: Optional[Path] = CheckpointArg,
     raise typer.Exit(1 if found else 0)
 
 
-def sites(preset: Optional[str] = typer.Option(None, help="tiny | flash | pro (default: the checkpoint's)."),
-          checkpoint: Optional[Path] = typer.Option(None, help="Checkpoint directory."),
+def sites(preset: str | None = typer.Option(None, help="tiny | flash | pro (default: the checkpoint's)."),
+          checkpoint: Path | None = typer.Option(None, help="Checkpoint directory."),
           seq_len: int = typer.Option(256, help="Sequence length for the shapes."),
           json_out: bool = typer.Option(False, "--json")) -> None:
     """Every site of the forward with op, family, reference op, shape and dtype (generated from the flow)."""
