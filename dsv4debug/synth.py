@@ -341,3 +341,30 @@ def default_checkpoint(seed: int = 0) -> Path:
         if not _is_current(out):    # another process may have just written it
             raise
     return out
+
+
+# ---- a model generated on the fly ----------------------------------------------------------------------------
+
+class SyntheticModel:
+    """A checkpoint stand-in that generates each module on request, on any device (bit-identical to what
+    make_checkpoint writes): Pro-shaped models far larger than any disk stream through the same runner."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu"):
+        self.config = cfg
+        self.seed = seed
+        self.device = torch.device(device)
+        self.path = Path(f"<synthetic {cfg.name} seed {seed}>")
+        self.specs = {m.name: m for m in global_modules(cfg)}
+        for layer in range(cfg.n_layers + cfg.n_mtp_layers):
+            self.specs.update({m.name: m for m in block_modules(cfg, layer)})
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return {"path": str(self.path), "synthetic": True, "synth_version": SYNTH_VERSION, "seed": self.seed,
+                "preset": self.config.name, "format": self.config.expert_format}
+
+    def module(self, name: str) -> QWeight:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise BadInput(f"'{name}' is no module of the synthetic {self.config.name} model")
+        return synth_module(self.config, spec, self.seed, self.device)

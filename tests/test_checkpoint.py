@@ -495,3 +495,12 @@ def test_synth_module_on_gpu_is_bit_identical_to_cpu():
             cpu, gpu = synth_module(cfg, spec, 5), synth_module(cfg, spec, 5, device="cuda")
             for suffix in cpu.tensors:
                 assert torch.equal(raw_bits(cpu.tensors[suffix]), raw_bits(gpu.tensors[suffix].cpu())), spec.name
+
+
+def test_synthetic_model_generates_what_make_checkpoint_wrote(tiny):
+    from dsv4debug.synth import SyntheticModel
+    model = SyntheticModel(tiny.config, seed=0)
+    for name in ("layers.2.attn.wq_b", "layers.3.ffn.experts.1.w2", "hc_head_fn", "layers.0.ffn.gate.tid2eid"):
+        stored, generated = tiny.module(name), model.module(name)
+        assert stored.tensors.keys() == generated.tensors.keys()
+        assert all(torch.equal(stored.tensors[k], generated.tensors[k]) for k in stored.tensors), name
