@@ -31,8 +31,8 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def activations(mib: int, tokens: int, dim: int, device: str) -> list[torch.Tensor]:
-    """bf16 [tokens, 4, dim] tensors (the hidden-stream shape) adding up to `mib` MiB."""
+def activations(mib: int, device: str, tokens: int = 128, dim: int = 4096) -> list[torch.Tensor]:
+    """bf16 [tokens, 4, dim] tensors (the hidden-stream shape, 4 MiB each) adding up to `mib` MiB."""
     per = tokens * 4 * dim * 2
     g = torch.Generator(device=device).manual_seed(0)
     return [torch.randn(tokens, 4, dim, generator=g, device=device).bfloat16() for _ in range(max(1, mib * 2**20 // per))]
@@ -107,8 +107,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--mib", type=int, default=512, help="bf16 tensor bytes written by the full capture")
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=128, help="forward loop: rows of the activations")
+    p.add_argument("--dim", type=int, default=2048, help="forward loop: width of the square matmuls")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--sites", type=int, default=8)
     p.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
@@ -117,7 +117,7 @@ def main() -> None:
     name = "capture.json" if args.device == "cpu" else f"capture_{args.device.replace(':', '')}.json"
     args.out = args.out or str(Path(__file__).parent / "results" / name)
 
-    tensors = activations(args.mib, args.tokens, args.dim * 2, args.device)
+    tensors = activations(args.mib, args.device)
     nbytes = sum(t.numel() * 2 for t in tensors)
     results: dict = {"device": args.device, "host": platform.node(), "cpus": os.cpu_count(),
                      "torch": torch.__version__, "tensor_mib": nbytes / 2**20, "args": vars(args)}
@@ -126,11 +126,11 @@ def main() -> None:
         raw = min(raw_write(tmp / "raw.bin", tensors, args.device) for _ in range(2))
         results["raw_write_mib_s"] = nbytes / raw / 2**20
         for compression in ("fast", "small"):
-            t = capture_write(tmp / f"{compression}.h5", tensors, args.tokens, args.device, compression)
+            t = capture_write(tmp / f"{compression}.h5", tensors, tensors[0].shape[0], args.device, compression)
             stored = (tmp / f"{compression}.h5").stat().st_size
             results[f"capture_{compression}"] = {"write_mib_s": nbytes / t / 2**20, "vs_raw": raw / t,
                                                  "file_mib": stored / 2**20}
-        capture_write(tmp / "fast_b.h5", tensors, args.tokens, args.device, "fast")
+        capture_write(tmp / "fast_b.h5", tensors, tensors[0].shape[0], args.device, "fast")
         # both files hold equal data but diff must read it: stream_compare is what diff runs when hashes differ
         raw_r = min(raw_read(tmp / "fast.h5", tmp / "fast_b.h5") for _ in range(2))
         diff_r = min(diff_read(tmp / "fast.h5", tmp / "fast_b.h5") for _ in range(2))

@@ -42,6 +42,8 @@ from .h5chunks import (
     storage_array,
 )
 from .tensorstats import (
+    DEVICE_CHUNK,
+    HOST_BLOCK,
     STAT_KEYS,
     block_stats,
     combine_blocks,
@@ -249,15 +251,16 @@ class _SiteJob:
     data: torch.Tensor | None           # host copy of the stored part, or None
     token_slice: tuple[int, int] | None
     nbytes: int                         # host bytes held until written
-    device_values: torch.Tensor | None = None   # GPU: pinned STAT_VALUES, valid once `ready` fired
+    device_values: torch.Tensor | None = None   # GPU: pinned device_stats partials, valid once `ready` fired
     ready: Any = None                            # torch.cuda.Event
     host_parts: list[Future] = field(default_factory=list)   # CPU: block_stats futures
 
     def stat_values(self) -> list[float]:
+        numel = int(np.prod(self.shape))
         if self.device_values is not None:
             self.ready.synchronize()
-            return self.device_values.tolist()
-        return combine_blocks([part.result() for part in self.host_parts], int(np.prod(self.shape)))
+            return combine_blocks(list(self.device_values.numpy()), numel, DEVICE_CHUNK)
+        return combine_blocks([part.result() for part in self.host_parts], numel, HOST_BLOCK)
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Statistics of a site's output: NaN/Inf counts, and min, max, mean, std, absmax, L2 over finite values.
 
-Two implementations with one result layout (STAT_VALUES): `device_stats` runs torch ops where the tensor
-lives (on a GPU: a few small kernels, no sync, one small tensor to move to the host), `host_stats` runs
-numpy on 1-D blocks of a host tensor, one block per worker thread, with the GIL released. Sums are
-accumulated in float64, so bf16 squares cannot overflow and temporaries stay one block large.
+Two implementations produce the same per-block partial sums (PARTIALS), which `combine_blocks` turns into
+the statistics on the host: `device_stats` runs torch ops where the tensor lives (on a GPU: about 20 small
+kernels, no sync, one small tensor to move to the host), `block_stats` runs numpy on one 1-D block of a host
+tensor in a worker thread, with the GIL released. Sums are float64, so bf16 squares cannot overflow, and
+temporaries stay one block large.
 """
 from __future__ import annotations
 
@@ -15,39 +16,40 @@ import numpy as np
 import torch
 
 STAT_KEYS = ("nan_count", "inf_count", "min", "max", "mean", "std", "absmax", "l2")
-# device_stats / combine_blocks layout: STAT_KEYS then the flat index of the first non-finite element (-1: none)
+# combine_blocks' result: STAT_KEYS then the flat index of the first non-finite element (-1: none)
 STAT_VALUES = (*STAT_KEYS, "first_nonfinite")
+# one row per block, from device_stats and block_stats alike
+PARTIALS = ("nan_count", "finite_count", "min", "max", "sum", "sum_sq", "first_nonfinite")
 DEVICE_CHUNK = 1 << 24            # elements per float64 step on the device
 HOST_BLOCK = 1 << 20              # elements per numpy task
 
 
 def device_stats(t: torch.Tensor) -> torch.Tensor:
-    """float64 [STAT_VALUES] computed on t's device with torch; nothing waits for the device."""
+    """float64 [chunks, PARTIALS] computed where t lives (about 20 kernels per 16M elements); nothing waits."""
     x = t.detach().reshape(-1)
     if x.numel() == 0:
-        return torch.tensor(_EMPTY, dtype=torch.float64, device=x.device)
-    zero = torch.zeros((), dtype=torch.float64, device=x.device)
-    n_nan = n_finite = total = sumsq = zero
-    lo, hi, first_bad = zero + torch.inf, zero - torch.inf, zero - 1
-    for start in range(0, x.numel(), DEVICE_CHUNK):
-        xd = x[start:start + DEVICE_CHUNK].double()
-        finite = torch.isfinite(xd)
-        kept = torch.where(finite, xd, 0)
-        n_nan, n_finite = n_nan + xd.isnan().sum(), n_finite + finite.sum()
-        total, sumsq = total + kept.sum(), sumsq + torch.dot(kept, kept)
-        lo = torch.minimum(lo, torch.where(finite, xd, torch.inf).amin())
-        hi = torch.maximum(hi, torch.where(finite, xd, -torch.inf).amax())
-        bad_here = (~finite).to(torch.uint8).argmax() + start
-        first_bad = torch.where((first_bad < 0) & ~finite.all(), bad_here.double(), first_bad)
-    n_finite = n_finite.double()
-    mean = total / n_finite
-    var = ((sumsq - total * mean) / (n_finite - 1).clamp(min=1)).clamp(min=0)
-    values = (n_nan, x.numel() - n_finite - n_nan, lo, hi, mean, var.sqrt(), torch.maximum(lo.abs(), hi.abs()),
-              sumsq.sqrt(), first_bad)
-    return torch.stack([v.double() for v in values])
+        return torch.zeros(0, len(PARTIALS), dtype=torch.float64, device=x.device)
+    return torch.stack([_device_partials(x[i:i + DEVICE_CHUNK]) for i in range(0, x.numel(), DEVICE_CHUNK)])
+
+
+def _device_partials(chunk: torch.Tensor) -> torch.Tensor:
+    x = chunk.double()
+    finite = torch.isfinite(x)
+    kept = torch.where(finite, x, 0)
+    n_finite = finite.sum(dtype=torch.float64)
+    first_bad = torch.where(n_finite == x.numel(), -1, (~finite).to(torch.uint8).argmax())
+    return torch.stack([x.isnan().sum(dtype=torch.float64), n_finite,
+                        torch.where(finite, x, torch.inf).amin(), torch.where(finite, x, -torch.inf).amax(),
+                        kept.sum(), torch.dot(kept, kept), first_bad.double()])
 
 
 _EMPTY = [0, 0, math.nan, math.nan, math.nan, math.nan, math.nan, 0, -1]
+
+
+def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
+    """Statistics of any tensor, synchronously (tests, ad-hoc use)."""
+    values = combine_blocks(list(device_stats(t).cpu().numpy()), t.numel(), DEVICE_CHUNK)
+    return stats_dict(values, t.dtype, tuple(t.shape))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -66,19 +68,21 @@ def host_blocks(t: torch.Tensor) -> list[np.ndarray]:
 
 
 def block_stats(block: np.ndarray) -> np.ndarray:
-    """[n_nan, n_finite, min, max, sum, sumsq, first non-finite index or -1] of one block (uint16 = bf16 bits)."""
+    """PARTIALS of one block (uint16 = bf16 bits). Plain ufuncs only: BLAS would start its own threads in
+    every worker and oversubscribe the machine."""
     x = _widen_bf16(block) if block.dtype == np.uint16 else block
     lo, hi = x.min(), x.max()                                 # NaN propagates: one pass tells all-finite
     if np.isfinite(lo) and np.isfinite(hi):
-        x64 = x.astype(np.float64)
-        return np.array([0, x.size, lo, hi, x64.sum(), np.dot(x64, x64), -1], dtype=np.float64)
-    finite = np.isfinite(x)
-    kept = np.where(finite, x, 0).astype(np.float64)
-    n_finite = int(finite.sum())
-    lo = x[finite].min() if n_finite else np.inf
-    hi = x[finite].max() if n_finite else -np.inf
-    return np.array([np.isnan(x).sum(), n_finite, lo, hi, kept.sum(), np.dot(kept, kept), np.argmin(finite)],
-                    dtype=np.float64)
+        n_nan, n_finite, first_bad, kept = 0, x.size, -1, x.astype(np.float64)
+    else:
+        finite = np.isfinite(x)
+        n_nan, n_finite, first_bad = int(np.isnan(x).sum()), int(finite.sum()), int(np.argmin(finite))
+        kept = np.where(finite, x, 0).astype(np.float64)
+        lo = x[finite].min() if n_finite else np.inf
+        hi = x[finite].max() if n_finite else -np.inf
+    total = kept.sum()
+    np.multiply(kept, kept, out=kept)
+    return np.array([n_nan, n_finite, lo, hi, total, kept.sum(), first_bad], dtype=np.float64)
 
 
 def _widen_bf16(bits: np.ndarray) -> np.ndarray:
@@ -87,8 +91,8 @@ def _widen_bf16(bits: np.ndarray) -> np.ndarray:
     return wide.view(np.float32)
 
 
-def combine_blocks(parts: Sequence[np.ndarray], numel: int) -> list[float]:
-    """STAT_VALUES from block_stats results, in block order."""
+def combine_blocks(parts: Sequence[np.ndarray], numel: int, block: int) -> list[float]:
+    """STAT_VALUES from PARTIALS rows of consecutive blocks of `block` elements."""
     if numel == 0:
         return list(_EMPTY)
     p = np.stack(parts).astype(np.float64)
@@ -96,7 +100,7 @@ def combine_blocks(parts: Sequence[np.ndarray], numel: int) -> list[float]:
     lo, hi = float(p[:, 2].min()), float(p[:, 3].max())
     mean = total / n_finite if n_finite else math.nan
     var = max((sumsq - total * mean) / max(n_finite - 1, 1), 0.0) if n_finite else math.nan
-    bad = [i * HOST_BLOCK + int(b[6]) for i, b in enumerate(parts) if b[6] >= 0]
+    bad = [i * block + int(b[6]) for i, b in enumerate(parts) if b[6] >= 0]
     return [n_nan, numel - n_finite - n_nan, lo, hi, mean, math.sqrt(var), max(abs(lo), abs(hi)),
             math.sqrt(sumsq), bad[0] if bad else -1]
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from dsv4debug.metrics import compare
-from dsv4debug.tensorstats import device_stats, stats_dict
+from dsv4debug.tensorstats import tensor_stats
 from dsv4debug.verdict import first_divergence, nan_origin, summarize, worst_sites
 
 
 def stats(t: torch.Tensor) -> dict:
-    return stats_dict(device_stats(t).tolist(), t.dtype, tuple(t.shape))
+    return tensor_stats(t)
 
 
 def chain_records(poison: bool) -> list[dict]:
