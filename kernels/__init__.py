@@ -1,0 +1,22 @@
+"""CuTeDSL kernels of DeepSeek-V4 inference (imported as `dsv4_kernels`), one module per op family:
+
+    norm       RMSNorm (weighted) and the unweighted per-head q norm
+    rope       interleaved RoPE on the last 64 of 512 dims, forward / inverse, out of place / in place
+    nvfp4      NVFP4 activation quantise / dequantise (E2M1 by integer code, e4m3 per 16, fp32 global)
+    kv_cache   FP8 paged KV cache: quantise + write by slot mapping, read by block table + dequantise
+    mhc        mHC pre (mixes, sigmoid, softmax + Sinkhorn, weighted stream sum) and post
+
+Each module registers its kernels (name, family, target archs, representative configurations) in
+`_common.REGISTRY` and has torch-facing launchers. `compile.compile_all` compiles them without a GPU.
+Importing this package does not import CuTeDSL; importing a family module does.
+"""
+FAMILY_MODULES = ("norm", "rope", "nvfp4", "kv_cache", "mhc")
+
+
+def load_all():
+    """Import every family module; returns the kernel registry {name: KernelDef}."""
+    import importlib
+    for m in FAMILY_MODULES:
+        importlib.import_module(f"{__name__}.{m}")
+    from ._common import REGISTRY
+    return REGISTRY

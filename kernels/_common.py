@@ -1,0 +1,220 @@
+"""Shared pieces of the CuTeDSL kernels: target archs, the kernel registry, the compile cache, torch glue and
+small in-kernel helpers.
+
+Every kernel in this package is SIMT code (vectorised 128/64-bit global loads and stores, warp shuffles,
+shared memory, cp.async): nothing in it is specific to one GPU generation, so each kernel declares both
+Hopper (sm_90a, run here on the H200) and Blackwell (sm_100a, compile-checked only). E2M1 is encoded and
+decoded with integer code on both (Hopper has no FP4 conversion instructions).
+
+Compiled kernels are cached in-process, keyed by (kernel, configuration, arch). A configuration holds the
+static facts the code is specialised on (row width, head dim, flags); token counts, pointers and epsilons are
+run-time arguments. `cute.compile` never caches by itself (cutedsl-notes.md section 6), so this cache is the
+only one: a process compiles each (kernel, config, arch) once, in ~0.1-0.5 s.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.runtime import make_fake_stream, make_ptr
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
+BOTH = ARCHS
+
+# --------------------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelDef:
+    """One kernel: how to build its jit launcher for a configuration, where it runs, what CI compiles."""
+    name: str                                   # "rmsnorm"
+    family: str                                 # op family in dsv4debug.backends.base.OPS ("norm", ...)
+    archs: tuple[str, ...]                      # targets it is declared (and compile-checked) for
+    build: Callable[..., tuple[Any, tuple]]     # build(**config) -> (jit callable, fake compile arguments)
+    configs: tuple[dict, ...]                   # representative configurations compiled by `kernels compile`
+    doc: str = ""
+    ci_configs: tuple[dict, ...] = field(default=())   # subset compiled by the CPU test (default: configs[:1])
+
+    def ci(self) -> tuple[dict, ...]:
+        return self.ci_configs or self.configs[:1]
+
+
+REGISTRY: dict[str, KernelDef] = {}
+
+
+def register(kd: KernelDef) -> KernelDef:
+    REGISTRY[kd.name] = kd
+    return kd
+
+
+def config_key(config: dict) -> tuple:
+    return tuple(sorted(config.items()))
+
+
+def config_str(config: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(config.items()))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Compile cache
+# --------------------------------------------------------------------------------------------------------
+
+_CACHE: dict[tuple, Any] = {}
+_COMPILE_SECONDS: dict[tuple, float] = {}
+_LOCK = threading.Lock()          # CuTeDSL compilation is not thread-safe (MLIR thread-local state)
+
+
+def compile_kernel(name: str, arch: str, **config) -> Any:
+    """The compiled kernel for (name, config, arch), compiling it on first use (no GPU needed)."""
+    key = (name, config_key(config), arch)
+    fn = _CACHE.get(key)
+    if fn is not None:
+        return fn
+    kd = REGISTRY[name]
+    if arch not in kd.archs:
+        raise ValueError(f"kernel {name} is not declared for {arch} (declared: {', '.join(kd.archs)})")
+    with _LOCK:
+        fn = _CACHE.get(key)
+        if fn is None:
+            t0 = time.perf_counter()
+            jit_fn, args = kd.build(**config)
+            fn = cute.compile[cute.GPUArch(arch)](jit_fn, *args)
+            _COMPILE_SECONDS[key] = time.perf_counter() - t0
+            _CACHE[key] = fn
+    return fn
+
+
+def compile_seconds(name: str, arch: str, **config) -> float | None:
+    return _COMPILE_SECONDS.get((name, config_key(config), arch))
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+    _COMPILE_SECONDS.clear()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Torch glue (imported lazily: compiling needs no torch device)
+# --------------------------------------------------------------------------------------------------------
+
+def device_arch(device) -> str:
+    """CuTeDSL target of a CUDA device: sm_90a for Hopper, sm_100a for Blackwell B200/GB200."""
+    import torch
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = {(9, 0): "sm_90a", (10, 0): "sm_100a"}.get((major, minor))
+    if arch is None:
+        raise RuntimeError(f"no CuTeDSL kernels are built for sm_{major}{minor} (targets: {', '.join(ARCHS)})")
+    return arch
+
+
+def torch_to_cute(dtype):
+    import torch
+    table = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32,
+             torch.uint8: cutlass.Uint8, torch.int32: cutlass.Int32, torch.int64: cutlass.Int64,
+             torch.float8_e4m3fn: cutlass.Float8E4M3FN}
+    return table[dtype]
+
+
+def ptr(t, dtype=None, align: int = 16):
+    """A global-memory pointer to tensor t's data for a compiled kernel (checks device and alignment)."""
+    if not t.is_cuda:
+        raise ValueError("CuTeDSL kernels take CUDA tensors")
+    if t.data_ptr() % align:
+        raise ValueError(f"tensor data pointer is not {align}-byte aligned (pass a contiguous, fresh tensor)")
+    return make_ptr(dtype or torch_to_cute(t.dtype), t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def fake_ptr(dtype, align: int = 16):
+    """A pointer argument for compiling without a GPU."""
+    return make_ptr(dtype, align, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def fake_stream():
+    return make_fake_stream()
+
+
+def current_stream():
+    import cuda.bindings.driver as cuda
+    import torch
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def check_numel(*tensors) -> None:
+    """In-kernel offsets are 32-bit: refuse tensors of 2**31 elements or more instead of overflowing."""
+    for t in tensors:
+        if t.numel() >= 2 ** 31:
+            raise ValueError(f"tensor of {t.numel()} elements is too large for 32-bit kernel offsets")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Geometry
+# --------------------------------------------------------------------------------------------------------
+
+def row_geometry(n_vec: int, max_threads: int = 256, min_per_thread: int = 2) -> tuple[int, int]:
+    """Threads per row and vectors per thread for a row of n_vec vectors (no remainder, no predication).
+
+    The thread count is the largest power of two dividing n_vec (capped at max_threads), lowered while it
+    leaves fewer than `min_per_thread` vectors per thread and stays at least a warp.
+    """
+    tpr = 1
+    while n_vec % (tpr * 2) == 0 and tpr * 2 <= max_threads:
+        tpr *= 2
+    while tpr > 32 and n_vec // tpr < min_per_thread:
+        tpr //= 2
+    return tpr, n_vec // tpr
+
+
+# --------------------------------------------------------------------------------------------------------
+# In-kernel helpers
+# --------------------------------------------------------------------------------------------------------
+
+@dsl_user_op
+def f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    """Reinterpret an fp32 value as its 32 bits."""
+    return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bits_f32(x: Int32, *, loc=None, ip=None) -> Float32:
+    """Reinterpret 32 bits as an fp32 value."""
+    return Float32(llvm.bitcast(T.f32(), Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def u32_of_i32(x: Int32, *, loc=None, ip=None) -> Uint32:
+    return Uint32(Int32(x).ir_value(loc=loc, ip=ip))
+
+
+def group_sum(val, threads: int):
+    """Sum over aligned groups of `threads` lanes (a power of two <= 32) by butterfly shuffles."""
+    offset = threads // 2
+    while offset > 0:
+        val = val + cute.arch.shuffle_sync_bfly(val, offset=offset)
+        offset //= 2
+    return val
+
+
+def group_max(val, threads: int):
+    offset = threads // 2
+    while offset > 0:
+        val = cute.arch.fmax(val, cute.arch.shuffle_sync_bfly(val, offset=offset))
+        offset //= 2
+    return val
+
+
+def group_max_int(val, threads: int):
+    offset = threads // 2
+    while offset > 0:
+        other = cute.arch.shuffle_sync_bfly(val, offset=offset)
+        val = cutlass.max(val, other)
+        offset //= 2
+    return val

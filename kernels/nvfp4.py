@@ -1,0 +1,317 @@
+"""NVFP4 activation quantisation and dequantisation (the W4A4 path's activations; on Hopper only to emulate it).
+
+Format (as dsv4debug.backends.sim.nvfp4_act_quant computes the values):
+- global decode scale g = max(amax(|x|) / (6 * 448), fp32 tiny), fp32 [1];
+- per block of 16 contiguous elements of the last dim: e4m3 scale e = e4m3(amax_block / (6 g)), so the block
+  scale is bs = float(e) * g (fp32);
+- per element: E2M1 code of x / bs (x / 1 where bs == 0), round half to even on the code grid
+  {0, .5, 1, 1.5, 2, 3, 4, 6}, sign in bit 3; two codes per byte, the even element in the low nibble.
+Dequantised value = (+-E2M1) * bs in fp32, rounded to bf16.
+
+Hopper has no FP4 conversion instructions (and CuTeDSL's Float4E2M1FN conversions fail on sm_90a), so codes
+are computed with integer code: the E2M1 code is the count of the 7 rounding thresholds the magnitude passes
+(> .25, >= .75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5: strict where the tie goes down to the even code),
+and decoded by building the fp32 bit pattern. The same code serves sm_100a.
+
+Kernels: `nvfp4_amax` (grid-stride abs-max by integer max over bf16 magnitude bits, one atomic per CTA),
+`nvfp4_quant` and `nvfp4_dequant` (one thread per 16-element block). The global scale itself,
+amax / 2688 clamped, is one scalar torch op between the amax and quantise kernels: it is computed by the same
+torch expression as the reference (which on CUDA multiplies by the reciprocal of 2688), so the kernels'
+block scales agree bit for bit with the reference on whatever device runs it.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Uint8, Uint32, const_expr
+from cutlass.memory import SmemAllocator
+
+from ._common import BOTH, KernelDef, bits_f32, check_numel, compile_kernel, current_stream, device_arch, \
+    fake_ptr, fake_stream, group_max_int, ptr, register
+
+BLOCK = 16
+FP4_MAX, FP8_MAX = 6.0, 448.0
+
+
+class Amax:
+    """amax_bits[0] = max(amax_bits[0], fp32 bits of max |x|) over x bf16 [nvec * 8]."""
+    threads, unroll = 256, 4
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, a_ptr: cute.Pointer, nvec: Int32, grid: Int32, iters: Int32, stream):
+        mX = cute.make_tensor(x_ptr, cute.make_layout((8, nvec), stride=(1, 8)))
+        mA = cute.make_tensor(a_ptr, cute.make_layout((1,)))
+        self.kernel(mX, mA, nvec, iters).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mA: cute.Tensor, nvec: Int32, iters: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        stride = gdim * self.threads
+        gtid = bidx * self.threads + tidx
+        m = Int32(0)
+        rX = cute.make_rmem_tensor((8, self.unroll), BFloat16)
+        rW = cute.recast_tensor(rX, Int32)                      # (4, unroll) words, two bf16 each
+        for k in cutlass.range(iters):
+            base = k * stride * self.unroll + gtid
+            rW.fill(0)
+            for u in cutlass.range_constexpr(self.unroll):
+                idx = base + u * stride
+                if idx < nvec:
+                    cute.autovec_copy(mX[None, idx], rX[None, u])
+            for u in cutlass.range_constexpr(self.unroll):
+                for e in cutlass.range_constexpr(4):
+                    w = rW[e, u]
+                    m = cutlass.max(m, cutlass.max(w & 0x7FFF, (w >> 16) & 0x7FFF))
+        m = group_max_int(m, 32)
+        smem = SmemAllocator()
+        red = smem.allocate_tensor(Int32, cute.make_layout((self.threads // 32,)), byte_alignment=16)
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        if lane == 0:
+            red[warp] = m
+        cute.arch.barrier()
+        if tidx == 0:
+            for i in cutlass.range_constexpr(self.threads // 32):
+                m = cutlass.max(m, red[i])
+            cute.arch.atomic_max(mA.iterator, m << 16)           # bf16 magnitude bits -> fp32 bits
+
+
+class Quant:
+    """x bf16 [nblk * 16], g fp32 [1] -> codes uint32 [nblk * 2] (8 bytes a block), scales e4m3 [nblk]."""
+    threads = 256
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, g_ptr: cute.Pointer, c_ptr: cute.Pointer, s_ptr: cute.Pointer,
+                 nblk: Int32, stream):
+        mX = cute.make_tensor(x_ptr, cute.make_layout((8, 2, nblk), stride=(1, 8, 16)))
+        mG = cute.make_tensor(g_ptr, cute.make_layout((1,)))
+        mC = cute.make_tensor(c_ptr, cute.make_layout((2, nblk), stride=(1, 2)))
+        mS = cute.make_tensor(s_ptr, cute.make_layout((nblk,)))
+        self.kernel(mX, mG, mC, mS, nblk).launch(
+            grid=[cute.ceil_div(nblk, self.threads), 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mG: cute.Tensor, mC: cute.Tensor, mS: cute.Tensor, nblk: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        b = bidx * self.threads + tidx
+        bc = cutlass.min(b, nblk - 1)
+        rX = cute.make_rmem_tensor((8, 2), BFloat16)
+        cute.autovec_copy(mX[None, None, bc], rX)
+        rW = cute.recast_tensor(rX, Int32)                       # (8,) words: element 2j low, 2j+1 high
+        g = mG[0]
+        # block amax from the magnitude bits (exact, and |-0| = +0 as torch's abs)
+        mb = Int32(0)
+        for j in cutlass.range_constexpr(8):
+            w = rW[j]
+            mb = cutlass.max(mb, cutlass.max(w & 0x7FFF, (w >> 16) & 0x7FFF))
+        sa = bits_f32(mb << 16)
+        t = sa / (Float32(FP4_MAX) * g)
+        rE = cute.make_rmem_tensor((2,), cutlass.Float8E4M3FN)
+        rT = cute.make_rmem_tensor((2,), Float32)
+        rT[0] = t
+        rT[1] = t
+        rE.store(rT.load().to(cutlass.Float8E4M3FN))             # cvt.rn.satfinite.e4m3x2
+        bs = rE.load().to(Float32)[0] * g
+        den = bs
+        if bs <= Float32(0.0):
+            den = Float32(1.0)
+        words = cute.make_rmem_tensor((2,), Int32)
+        for half in cutlass.range_constexpr(2):
+            acc = Int32(0)
+            for i in cutlass.range_constexpr(8):
+                e = half * 8 + i
+                w = rW[e // 2]
+                hb = (w >> (16 * (e % 2))) & 0xFFFF
+                a = bits_f32((hb & 0x7FFF) << 16) / den            # |x| / bs, IEEE division
+                code = ((hb >> 12) & 8) \
+                    + cutlass.select_(a > Float32(0.25), Int32(1), Int32(0)) \
+                    + cutlass.select_(a >= Float32(0.75), Int32(1), Int32(0)) \
+                    + cutlass.select_(a > Float32(1.25), Int32(1), Int32(0)) \
+                    + cutlass.select_(a >= Float32(1.75), Int32(1), Int32(0)) \
+                    + cutlass.select_(a > Float32(2.5), Int32(1), Int32(0)) \
+                    + cutlass.select_(a >= Float32(3.5), Int32(1), Int32(0)) \
+                    + cutlass.select_(a > Float32(5.0), Int32(1), Int32(0))
+                acc = acc | (code << (4 * i))
+            words[half] = acc
+        if b < nblk:
+            cute.autovec_copy(cute.recast_tensor(words, Uint32), mC[None, b])
+            mS[b] = rE[0]
+
+
+class Dequant:
+    """codes uint32 [nblk * 2], scales e4m3 [nblk], g fp32 [1] -> bf16 [nblk * 16]."""
+    threads = 256
+
+    @cute.jit
+    def __call__(self, c_ptr: cute.Pointer, s_ptr: cute.Pointer, g_ptr: cute.Pointer, o_ptr: cute.Pointer,
+                 nblk: Int32, stream):
+        mC = cute.make_tensor(c_ptr, cute.make_layout((2, nblk), stride=(1, 2)))
+        mS = cute.make_tensor(s_ptr, cute.make_layout((nblk,)))
+        mG = cute.make_tensor(g_ptr, cute.make_layout((1,)))
+        mO = cute.make_tensor(o_ptr, cute.make_layout((8, 2, nblk), stride=(1, 8, 16)))
+        self.kernel(mC, mS, mG, mO, nblk).launch(
+            grid=[cute.ceil_div(nblk, self.threads), 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mC: cute.Tensor, mS: cute.Tensor, mG: cute.Tensor, mO: cute.Tensor, nblk: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        b = bidx * self.threads + tidx
+        bc = cutlass.min(b, nblk - 1)
+        rC = cute.make_rmem_tensor((2,), Uint32)
+        cute.autovec_copy(mC[None, bc], rC)
+        rCi = cute.recast_tensor(rC, Int32)
+        rE = cute.make_rmem_tensor((2,), cutlass.Float8E4M3FN)
+        rE[0] = mS[bc]
+        rE[1] = rE[0]
+        bs = rE.load().to(Float32)[0] * mG[0]
+        rO = cute.make_rmem_tensor((8, 2), BFloat16)
+        for e in cutlass.range_constexpr(BLOCK):
+            code = (rCi[e // 8] >> (4 * (e % 8))) & 0xF
+            c = code & 7
+            # E2M1 magnitude as fp32 bits: 1 -> 0.5; c >= 2 -> 2^((c >> 1) - 1) * (1 + (c & 1) / 2)
+            mag_bits = Int32(cutlass.select_(c < 2, c * (126 << 23), ((126 + (c >> 1)) << 23) | ((c & 1) << 22)))
+            v = bits_f32(mag_bits) * bs
+            v = Float32(cutlass.select_(code >= 8, -v, v))
+            rO[e % 8, e // 8] = v.to(BFloat16)
+        if b < nblk:
+            cute.autovec_copy(rO, mO[None, None, b])
+
+
+def _build_amax():
+    return Amax(), (fake_ptr(BFloat16), fake_ptr(Int32, 4), Int32(1), Int32(1), Int32(1), fake_stream())
+
+
+def _build_quant():
+    return Quant(), (fake_ptr(BFloat16), fake_ptr(Float32, 4), fake_ptr(Uint32, 8), fake_ptr(cutlass.Float8E4M3FN, 1),
+                     Int32(1), fake_stream())
+
+
+def _build_dequant():
+    return Dequant(), (fake_ptr(Uint32, 8), fake_ptr(cutlass.Float8E4M3FN, 1), fake_ptr(Float32, 4),
+                       fake_ptr(BFloat16), Int32(1), fake_stream())
+
+
+register(KernelDef("nvfp4_amax", "experts", BOTH, _build_amax, configs=({},),
+                   doc="global |x| max (bf16 bits, atomic max), feeds the NVFP4 global scale"))
+register(KernelDef("nvfp4_quant", "experts", BOTH, _build_quant, configs=({},),
+                   doc="NVFP4 quantise: e4m3 scale per 16, E2M1 codes by integer code"))
+register(KernelDef("nvfp4_dequant", "experts", BOTH, _build_dequant, configs=({},),
+                   doc="NVFP4 dequantise to bf16"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------------
+
+def global_scale(amax):
+    """g = amax / (6 * 448), clamped to fp32 tiny: the very expression of the reference (sim.nvfp4_act_quant)."""
+    import torch
+    return (amax / (6 * 448)).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def amax(x):
+    """max |x| over a bf16 tensor, as an fp32 [1] tensor (kernel; NaN propagates)."""
+    import torch
+    x = x.contiguous()
+    if x.dtype != torch.bfloat16 or x.numel() % 8:
+        raise ValueError("nvfp4 amax takes bf16 tensors with a multiple of 8 elements")
+    check_numel(x)
+    bits = torch.zeros(1, dtype=torch.int32, device=x.device)
+    nvec = x.numel() // 8
+    if nvec:
+        threads, unroll = Amax.threads, Amax.unroll
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        grid = max(1, min(sms * 8, -(-nvec // (threads * unroll))))
+        iters = -(-nvec // (grid * threads * unroll))
+        fn = compile_kernel("nvfp4_amax", device_arch(x.device))
+        fn(ptr(x), ptr(bits, Int32, 4), Int32(nvec), Int32(grid), Int32(iters), current_stream())
+    return bits.view(torch.float32)
+
+
+def quantize(x, g=None):
+    """x [..., n] bf16 (n % 16 == 0) -> (codes uint8 [..., n/2], scales float8_e4m3fn [..., n/16], g fp32 [1]).
+
+    g: the global decode scale; default: from the tensor's amax (kernel) as the reference does.
+    """
+    import torch
+    x = x.contiguous()
+    if x.dtype != torch.bfloat16 or x.size(-1) % BLOCK:
+        raise ValueError(f"nvfp4 quantize takes bf16 with a last dim multiple of {BLOCK}")
+    check_numel(x)
+    if g is None:
+        g = global_scale(amax(x))
+    g = g.to(device=x.device, dtype=torch.float32).reshape(1).contiguous()
+    codes = torch.empty(*x.shape[:-1], x.size(-1) // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(*x.shape[:-1], x.size(-1) // BLOCK, dtype=torch.float8_e4m3fn, device=x.device)
+    nblk = x.numel() // BLOCK
+    if nblk:
+        fn = compile_kernel("nvfp4_quant", device_arch(x.device))
+        fn(ptr(x), ptr(g, Float32, 4), ptr(codes, Uint32, 8), ptr(scales, cutlass.Float8E4M3FN, 1), Int32(nblk),
+           current_stream())
+    return codes, scales, g
+
+
+def dequantize(codes, scales, g, out=None):
+    """Inverse of quantize: -> bf16 [..., 2 * codes.size(-1)]."""
+    import torch
+    codes, scales = codes.contiguous(), scales.contiguous()
+    n = codes.size(-1) * 2
+    out = torch.empty(*codes.shape[:-1], n, dtype=torch.bfloat16, device=codes.device) if out is None else out
+    nblk = out.numel() // BLOCK
+    if scales.numel() != nblk:
+        raise ValueError(f"nvfp4 dequantize: {scales.numel()} scales for {nblk} blocks")
+    check_numel(out)
+    if nblk:
+        fn = compile_kernel("nvfp4_dequant", device_arch(codes.device))
+        g = g.to(device=codes.device, dtype=torch.float32).reshape(1).contiguous()
+        fn(ptr(codes, Uint32, 8), ptr(scales, cutlass.Float8E4M3FN, 1), ptr(g, Float32, 4), ptr(out), Int32(nblk),
+           current_stream())
+    return out
+
+
+def act_quant(x):
+    """The NVFP4 round trip on the kernels (same values as dsv4debug.backends.sim.nvfp4_act_quant)."""
+    return dequantize(*quantize(x))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Bit-level torch reference (any device): codes and scales, not only values
+# --------------------------------------------------------------------------------------------------------
+
+def reference_quantize(x, g=None):
+    """Pure-torch NVFP4 quantiser producing the same (codes, scales, g) as `quantize`, bit for bit.
+
+    Its values, reference_dequantize(*reference_quantize(x)), equal dsv4debug.backends.sim.nvfp4_act_quant(x).
+    """
+    import torch
+    xf = x.float()
+    if g is None:
+        g = global_scale(xf.abs().amax())
+    g = g.reshape(()).float()
+    xb = xf.unflatten(-1, (-1, BLOCK))
+    e = (xb.abs().amax(-1) / (6 * g)).to(torch.float8_e4m3fn)
+    bs = e.float().unsqueeze(-1) * g
+    a = (xb.abs() / torch.where(bs > 0, bs, 1.0))
+    thresholds = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+    code = sum(((a >= th) if inclusive else (a > th)).to(torch.uint8) for th, inclusive in thresholds)
+    code = code | (torch.signbit(xb).to(torch.uint8) << 3)
+    code = code.flatten(-2)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed, e, g.reshape(1)
+
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def reference_dequantize(codes, scales, g):
+    import torch
+    lut = torch.tensor(_E2M1, device=codes.device)
+    c = torch.stack([codes & 0xF, codes >> 4], -1).flatten(-2).long()          # [..., n]
+    mag = lut[c & 7]
+    val = torch.where(c >= 8, -mag, mag).unflatten(-1, (-1, BLOCK))
+    bs = scales.float().unsqueeze(-1) * g.reshape(()).float()
+    return (val * bs).flatten(-2).to(torch.bfloat16)
