@@ -68,21 +68,21 @@ def host_blocks(t: torch.Tensor) -> list[np.ndarray]:
 
 
 def block_stats(block: np.ndarray) -> np.ndarray:
-    """PARTIALS of one block (uint16 = bf16 bits). Plain ufuncs only: BLAS would start its own threads in
-    every worker and oversubscribe the machine."""
+    """PARTIALS of one block (uint16 = bf16 bits). Sums accumulate in float64 through numpy's buffered
+    casts (no float64 copy of the block); no BLAS, which would start its own threads in every worker."""
     x = _widen_bf16(block) if block.dtype == np.uint16 else block
     lo, hi = x.min(), x.max()                                 # NaN propagates: one pass tells all-finite
     if np.isfinite(lo) and np.isfinite(hi):
-        n_nan, n_finite, first_bad, kept = 0, x.size, -1, x.astype(np.float64)
+        n_nan, n_finite, first_bad, kept = 0, x.size, -1, x
     else:
         finite = np.isfinite(x)
         n_nan, n_finite, first_bad = int(np.isnan(x).sum()), int(finite.sum()), int(np.argmin(finite))
-        kept = np.where(finite, x, 0).astype(np.float64)
+        kept = np.where(finite, x, 0)
         lo = x[finite].min() if n_finite else np.inf
         hi = x[finite].max() if n_finite else -np.inf
-    total = kept.sum()
-    np.multiply(kept, kept, out=kept)
-    return np.array([n_nan, n_finite, lo, hi, total, kept.sum(), first_bad], dtype=np.float64)
+    total = np.add.reduce(kept, dtype=np.float64)
+    sum_sq = np.einsum("i,i->", kept, kept, dtype=np.float64)
+    return np.array([n_nan, n_finite, lo, hi, total, sum_sq, first_bad], dtype=np.float64)
 
 
 def _widen_bf16(bits: np.ndarray) -> np.ndarray:
