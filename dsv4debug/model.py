@@ -114,16 +114,25 @@ def moe(ctx: Ctx, cfg: ModelConfig, layer: int, x: torch.Tensor, token_ids: torc
                           W(p + "gate.tid2eid") if hashed else None, token_ids,
                           topk=cfg.n_activated_experts, route_scale=cfg.route_scale)   # [S, k] x2
     outs: dict[int, torch.Tensor] = {}
-    for e in torch.unique(ids).tolist():
-        hit = ids == e                                                                   # [S, k]
-        tok = hit.any(-1).nonzero().squeeze(-1)                                          # tokens routed to e
-        route_w = (weights * hit).sum(-1)[tok]
+    routes = expert_routes(ids, weights)
+    for e, (tok, route_w) in routes.items():
         ep = f"{p}experts.{e}."
         outs[e] = ctx(f"{p}experts.{e}", "expert", x[tok], W(ep + "w1"), W(ep + "w3"), W(ep + "w2"),
                       route_w, limit=lim)
     sp = p + "shared_experts."
     shared = ctx(p + "shared_experts", "expert", x, W(sp + "w1"), W(sp + "w3"), W(sp + "w2"), None, limit=lim)
-    return ctx(p[:-1], "moe_combine", x.size(0), outs, ids, shared)
+    return ctx(p[:-1], "moe_combine", x.size(0), outs, {e: tok for e, (tok, _) in routes.items()}, shared)
+
+
+def expert_routes(ids: torch.Tensor, weights: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """ids, weights [S, k] -> {expert: (its tokens in ascending order [n], their routing weights [n])},
+    for the experts that received tokens, with a single device-to-host sync (the counts)."""
+    S, k = ids.shape
+    token = torch.arange(S, device=ids.device).repeat_interleave(k)                      # [S*k]
+    order = torch.argsort(ids.flatten() * S + token)                                     # by expert, then token
+    counts = torch.bincount(ids.flatten()).tolist()
+    tokens, w = token[order].split(counts), weights.flatten()[order].split(counts)
+    return {e: (tokens[e], w[e]) for e, n in enumerate(counts) if n}
 
 
 def block(ctx: Ctx, cfg: ModelConfig, layer: int, h: torch.Tensor, token_ids: torch.Tensor,

@@ -40,11 +40,11 @@ def expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     return linear(q(h.to(x.dtype)), w2)
 
 
-def moe_combine(n_tokens: int, expert_out: dict[int, torch.Tensor], ids: torch.Tensor,
+def moe_combine(n_tokens: int, expert_out: dict[int, torch.Tensor], expert_tokens: dict[int, torch.Tensor],
                 shared: torch.Tensor) -> torch.Tensor:
-    """Sum routed expert outputs back per token (fp32, expert order) plus the shared expert -> [N, D]."""
+    """Sum routed expert outputs [n_e, D] back onto their tokens (fp32, expert order), plus the shared
+    expert -> [N, D]."""
     y = torch.zeros(n_tokens, shared.size(-1), dtype=acc(shared), device=shared.device)
     for e, out in sorted(expert_out.items()):
-        tok = (ids == e).any(-1).nonzero().squeeze(-1)
-        y.index_add_(0, tok, out.to(y.dtype))
+        y.index_add_(0, expert_tokens[e], out.to(y.dtype))
     return (y + shared.to(y.dtype)).to(shared.dtype)

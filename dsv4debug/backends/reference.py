@@ -70,6 +70,6 @@ class ReferenceBackend(Backend):
         dt = x.dtype
         return ref.expert(x, self.dense(w1, dt), self.dense(w3, dt), self.dense(w2, dt), limit, route_w)
 
-    def moe_combine(self, n_tokens, expert_out, ids, shared):
-        return ref.moe_combine(n_tokens, expert_out, ids, shared)
+    def moe_combine(self, n_tokens, expert_out, expert_tokens, shared):
+        return ref.moe_combine(n_tokens, expert_out, expert_tokens, shared)
 

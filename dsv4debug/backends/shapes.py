@@ -60,7 +60,7 @@ class ShapeBackend(ReferenceBackend):
     def expert(self, x, w1, w3, w2, route_w, *, limit):
         return torch.empty_like(x)
 
-    def moe_combine(self, n_tokens, expert_out, ids, shared):
+    def moe_combine(self, n_tokens, expert_out, expert_tokens, shared):
         return torch.empty_like(shared)
 
 
