@@ -109,7 +109,7 @@ class W4A16Gemm:
     threads = 384
 
     def __init__(self, n_tok: int, t_max: int = 1, grouped: bool = False, epilogue: str = "plain",
-                 split_k: bool = False, stages: int | None = None):
+                 split_k: bool = False, tile_k: int = 64, stages: int | None = None):
         if n_tok % 8 or not 8 <= n_tok <= 256 or n_tok * t_max > 256:
             raise ValueError("n_tok must be a multiple of 8 in [8, 256] and n_tok * t_max <= 256")
         if epilogue not in ("plain", "swiglu"):
@@ -118,7 +118,9 @@ class W4A16Gemm:
             raise ValueError("split-K is for dense plain GEMMs")
         self.n_tok, self.t_max, self.grouped, self.epilogue, self.split_k = n_tok, t_max, grouped, epilogue, split_k
         self.n_cta = n_tok * t_max
-        self.tile_k = 64
+        if tile_k not in (64, 128):
+            raise ValueError("tile_k must be 64 or 128")
+        self.tile_k = tile_k
         self.chunks = self.tile_k // 64
         self.kb = self.tile_k // 16                       # k16 blocks per stage
         stage_bytes = self.n_cta * self.tile_k * 2 + 2 * self.chunks * (CHUNK_WORDS * 4 + CHUNK_SBYTES)
@@ -136,8 +138,8 @@ class W4A16Gemm:
         nb = n // 64
         kc = k // 64
         mX = cute.make_tensor(x_ptr, cute.make_layout((rows, k), stride=(k, 1)))
-        mBlob = cute.make_tensor(blob_ptr, cute.make_layout(n_experts * nb * kc * CHUNK_WORDS))
-        mS = cute.make_tensor(sblob_ptr, cute.make_layout(n_experts * nb * kc * CHUNK_SBYTES))
+        mBlob = cute.make_tensor(blob_ptr, cute.make_layout(CHUNK_WORDS))       # base pointers only: offsets
+        mS = cute.make_tensor(sblob_ptr, cute.make_layout(CHUNK_SBYTES))        # are 64-bit (E * N * K / 2)
         mGs = cute.make_tensor(gs_ptr, cute.make_layout(n_experts))
         n_out = n // 2 if const_expr(self.epilogue == "swiglu") else n
         mOut = cute.make_tensor(out_ptr, cute.make_layout((rows, n_out), stride=(n_out, 1)))
@@ -145,7 +147,7 @@ class W4A16Gemm:
         mUnits = cute.make_tensor(units_ptr, cute.make_layout((3, n_units), stride=(1, 3)))
         mUcount = cute.make_tensor(ucount_ptr, cute.make_layout(1))
         mWs = cute.make_tensor(ws_ptr, cute.make_layout((rows, n, n_split), stride=(n, 1, rows * n)))
-        mTicket = cute.make_tensor(ticket_ptr, cute.make_layout(nb))
+        mTicket = cute.make_tensor(ticket_ptr, cute.make_layout((nb // 2, n_units)))
 
         b_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, BFloat16, self.tile_k), BFloat16)
@@ -170,7 +172,7 @@ class W4A16Gemm:
         self.storage = Storage
         self.kernel(tma_atom, mX_tma, mBlob, mS, mGs, mOut, mRw, mUnits, mUcount, mWs, mTicket, tiled_mma,
                     sB_layout, rows, n, k, n_split, lim).launch(
-            grid=[nb // 2, n_units, n_split], block=[self.threads, 1, 1], stream=stream)
+            grid=[nb // 2, n_units, n_split], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     # ---- device side ----
 
@@ -237,7 +239,7 @@ class W4A16Gemm:
                         cute.copy(tma_atom, tBgX[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                         if lane == 0:
                             for h in cutlass.range_constexpr(2):
-                                blk = (expert * nb + bx * 2 + h) * kc + c_begin + kt * self.chunks
+                                blk = Int64((expert * nb + bx * 2 + h) * kc + c_begin + kt * self.chunks)
                                 prims.cp_async_bulk_shared_cluster_global(
                                     sW[(None, 0, 0, 0, h, state.index)].iterator,
                                     mBlob.iterator + blk * CHUNK_WORDS, bar,
@@ -257,13 +259,17 @@ class W4A16Gemm:
                 wq = warp % 4
                 g = lane // 4
                 thr_mma = tiled_mma.get_slice(ctid)
-                tCsB = thr_mma.partition_B(sB)              # (V, T_MAX, KB, STAGES)
-                tCrB = tiled_mma.make_fragment_B(tCsB)
+                # one B fragment (V, 1, KB, STAGES) and one accumulator (V, 1, 1) per token sub-tile
+                tCrBs = [tiled_mma.make_fragment_B(thr_mma.partition_B(
+                    cute.local_tile(sB, (self.n_tok, self.tile_k, self.stages), (t, 0, 0))))
+                    for t in range(self.t_max)]
                 a_shape = thr_mma.partition_shape_A((128, self.tile_k))
                 fragA0 = tiled_mma.make_fragment_A(a_shape)
                 fragA1 = tiled_mma.make_fragment_A(a_shape)
-                acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((128, self.n_cta)), Float32)
-                acc.fill(0.0)
+                accs = [cute.make_rmem_tensor(thr_mma.partition_shape_C((128, self.n_tok)), Float32)
+                        for _ in range(self.t_max)]
+                for t in cutlass.range_constexpr(self.t_max):
+                    accs[t].fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 n_sub = cutlass.min((cnt + self.n_tok - 1) // self.n_tok, self.t_max)
 
@@ -277,7 +283,7 @@ class W4A16Gemm:
                 kt = Int32(0)
                 while kt < k_tiles:
                     # even tile: frag0 feeds the WGMMAs while the next tile decodes into frag1
-                    self.mma_stage(tiled_mma, acc, fragA0, tCrB, release.index, n_sub)
+                    self.mma_stage(tiled_mma, accs, fragA0, tCrBs, release.index, n_sub)
                     if kt + 1 < k_tiles:
                         pipe.consumer_wait(read)
                         self.decode_stage(sW, sS, read.index, fragA1, lane, wq, g, h)
@@ -287,7 +293,7 @@ class W4A16Gemm:
                     release.advance()
                     kt += 1
                     if kt < k_tiles:
-                        self.mma_stage(tiled_mma, acc, fragA1, tCrB, release.index, n_sub)
+                        self.mma_stage(tiled_mma, accs, fragA1, tCrBs, release.index, n_sub)
                         if kt + 1 < k_tiles:
                             pipe.consumer_wait(read)
                             self.decode_stage(sW, sS, read.index, fragA0, lane, wq, g, h)
@@ -299,13 +305,16 @@ class W4A16Gemm:
 
                 # ================= epilogue =================
                 gs = mGs[expert]
-                cC = cute.make_identity_tensor((128, self.n_cta))
+                cC = cute.make_identity_tensor((128, self.n_tok))
                 tCcC = thr_mma.partition_C(cC)
                 if const_expr(self.split_k):
-                    self.epilogue_split(acc, tCcC, mWs, mTicket, mOut, st.flag.data_ptr(), gs, bx, bz, row0,
-                                        cnt, n, n_split, ctid)
+                    self.epilogue_split(accs[0], tCcC, mWs, mTicket, mOut, st.flag.data_ptr(), gs, bx, by, bz,
+                                        row0, cnt, n, n_split, ctid)
                 else:
-                    self.epilogue_direct(acc, tCcC, mOut, mRw, gs, lim, bx, row0, cnt)
+                    for t in cutlass.range_constexpr(self.t_max):
+                        if t < n_sub:
+                            self.epilogue_direct(accs[t], tCcC, mOut, mRw, gs, lim, bx, row0 + t * self.n_tok,
+                                                 cnt - t * self.n_tok)
 
     @cute.jit
     def decode_stage(self, sW: cute.Tensor, sS: cute.Tensor, stage: Int32, frag: cute.Tensor, lane: Int32,
@@ -327,14 +336,14 @@ class W4A16Gemm:
                 fw[3, 0, kb] = a67
 
     @cute.jit
-    def mma_stage(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, frag: cute.Tensor, tCrB: cute.Tensor,
+    def mma_stage(self, tiled_mma: cute.TiledMma, accs: list, frag: cute.Tensor, tCrBs: list,
                   stage: Int32, n_sub: Int32):
         warpgroup.fence()
         for t in cutlass.range_constexpr(self.t_max):
             if t < n_sub:
                 for kb in cutlass.range_constexpr(self.kb):
-                    cute.gemm(tiled_mma, acc[(None, 0, t)], frag[(None, 0, kb)], tCrB[(None, t, kb, stage)],
-                              acc[(None, 0, t)])
+                    cute.gemm(tiled_mma, accs[t], frag[(None, None, kb)], tCrBs[t][(None, None, kb, stage)],
+                              accs[t])
         warpgroup.commit_group()
 
     @cute.jit
@@ -362,7 +371,8 @@ class W4A16Gemm:
 
     @cute.jit
     def epilogue_split(self, acc: cute.Tensor, tCcC: cute.Tensor, mWs: cute.Tensor, mTicket: cute.Tensor,
-                       mOut: cute.Tensor, flag_ptr: cute.Pointer, gs: Float32, bx: Int32, bz: Int32, row0: Int32,
+                       mOut: cute.Tensor, flag_ptr: cute.Pointer, gs: Float32, bx: Int32, by: Int32, bz: Int32,
+                       row0: Int32,
                        cnt: Int32, n: Int32, n_split: Int32, ctid: Int32):
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, c = tCcC[i]
@@ -373,11 +383,12 @@ class W4A16Gemm:
         bar.arrive_and_wait()
         flag = cute.make_tensor(flag_ptr, cute.make_layout(1))
         if ctid == 0:
-            old = cute.arch.atomic_add(mTicket[(bx,)].iterator.llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+            tk = by * (n // 128) + bx
+            old = cute.arch.atomic_add(mTicket.iterator + tk, Int32(1), sem="acq_rel", scope="gpu")
             last = Int32(0)
             if old == n_split - 1:
                 last = Int32(1)
-                mTicket[bx] = Int32(0)
+                mTicket[bx, by] = Int32(0)
             flag[0] = last
         bar.arrive_and_wait()
         if flag[0] != 0:
@@ -386,8 +397,9 @@ class W4A16Gemm:
                 r, c = tCcC[i]
                 if c < cnt:
                     s = Float32(0.0)
+                    off = (row0 + c) * n + bx * 128 + r
                     for z in cutlass.range(n_split, unroll=1):
-                        s += ld_cg_f32(mWs[(row0 + c, bx * 128 + r, z)].iterator.toint())
+                        s += ld_cg_f32((mWs.iterator + (off + z * mWs.shape[0] * n)).toint())
                     mOut[row0 + c, bx * 128 + r] = (s * gs).to(BFloat16)
 
 
@@ -395,8 +407,9 @@ class W4A16Gemm:
 # Registry and launcher
 # --------------------------------------------------------------------------------------------------------
 
-def _build(n_tok: int, t_max: int = 1, grouped: bool = False, epilogue: str = "plain", split_k: bool = False):
-    kern = W4A16Gemm(n_tok, t_max, grouped, epilogue, split_k)
+def _build(n_tok: int, t_max: int = 1, grouped: bool = False, epilogue: str = "plain", split_k: bool = False,
+           tile_k: int = 64):
+    kern = W4A16Gemm(n_tok, t_max, grouped, epilogue, split_k, tile_k)
     args = (fake_ptr(BFloat16), fake_ptr(Uint32), fake_ptr(Uint8, 16), fake_ptr(Float32, 4),
             fake_ptr(BFloat16), fake_ptr(Float32, 4), fake_ptr(Int32, 4), fake_ptr(Int32, 4),
             fake_ptr(Float32, 4), fake_ptr(Int32, 4),
@@ -418,3 +431,87 @@ register(KernelDef(
     "w4a16_gemm", "linear", SM90, _build, configs=W4_CONFIGS,
     ci_configs=(dict(n_tok=16, split_k=True), dict(n_tok=64, t_max=2, grouped=True, epilogue="swiglu")),
     doc="NVFP4 x bf16 WGMMA GEMM, weights decoded in registers (swap-AB), dense/grouped, SwiGLU epilogue"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Torch launchers
+# --------------------------------------------------------------------------------------------------------
+
+_WS: dict = {}
+
+
+def _buffers(key, make):
+    buf = _WS.get(key)
+    if buf is None:
+        buf = _WS[key] = make()
+    return buf
+
+
+def pick_dense_config(m: int, n: int, k: int) -> dict:
+    """Kernel configuration for a dense W4A16 GEMM of m tokens (decode: split-K; prefill: wide token tiles)."""
+    if m <= 16:
+        kc = k // 64
+        tiles = n // 128
+        split = 1
+        for s in (16, 8, 4, 2):                         # aim at >= ~2 CTAs per SM, whole chunks per split
+            if kc % s == 0 and tiles * s <= 3 * 132 and kc // s >= 4:
+                split = s
+                break
+        return dict(n_tok=16, split_k=split > 1, split=split)
+    if m <= 64:
+        return dict(n_tok=64, split=1)
+    return dict(n_tok=128, t_max=2, split=1)
+
+
+def w4a16_launch(x, pack, n: int, *, out=None, route_w=None, units=None, unit_count=None, lim: float = 0.0,
+                 n_tok: int = 16, t_max: int = 1, grouped: bool = False, epilogue: str = "plain",
+                 split_k: bool = False, split: int = 1, tile_k: int = 64):
+    """Launch one W4A16 GEMM. x bf16 [rows, K] (grouped: rows sorted by expert), pack = (blob, sblob, gscale)
+    from w4_pack; returns out bf16 [rows, n] (swiglu: [rows, n/2])."""
+    import torch
+
+    from ._common import compile_kernel, current_stream, device_arch, ptr
+    blob, sblob, gscale = pack
+    rows, k = x.shape
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError("W4A16 takes contiguous bf16 activations")
+    if blob.shape[1] * 64 != n or blob.shape[2] * 64 != k:
+        raise ValueError(f"packed weight is {blob.shape[1] * 64}x{blob.shape[2] * 64}, GEMM asks {n}x{k}")
+    n_out = n // 2 if epilogue == "swiglu" else n
+    if out is None:
+        out = torch.empty(rows, n_out, dtype=torch.bfloat16, device=x.device)
+    if rows == 0:
+        return out
+    if (k // 64) % (split * (tile_k // 64)):
+        raise ValueError(f"split {split} x tile_k {tile_k} does not divide K = {k}")
+    n_cta = n_tok * t_max
+    if grouped:
+        n_units = units.shape[0]
+    else:
+        n_units = -(-rows // n_cta)
+        units = unit_count = torch.zeros(3, dtype=torch.int32, device=x.device)
+    cfg = dict(n_tok=n_tok, t_max=t_max, grouped=grouped, epilogue=epilogue, split_k=split_k, tile_k=tile_k)
+    fn = compile_kernel("w4a16_gemm", device_arch(x.device), **cfg)
+    if split_k:
+        ws = _buffers(("ws", x.device, rows, n, split),
+                      lambda: torch.empty(split, rows, n, dtype=torch.float32, device=x.device))
+        tickets = _buffers(("tk", x.device, n_units, n),
+                           lambda: torch.zeros(n_units * (n // 128), dtype=torch.int32, device=x.device))
+    else:
+        ws, tickets = gscale, units
+    rw = route_w if route_w is not None else gscale
+    fn(ptr(x), ptr(blob, cutlass.Uint32), ptr(sblob, cutlass.Uint8), ptr(gscale, align=4), ptr(out),
+       ptr(rw, cutlass.Float32, align=4), ptr(units, cutlass.Int32, align=4),
+       ptr(unit_count, cutlass.Int32, align=4), ptr(ws, cutlass.Float32, align=4),
+       ptr(tickets, cutlass.Int32, align=4), Int32(rows), Int32(n), Int32(k), Int32(n_units), Int32(split),
+       Int32(blob.shape[0]), Float32(lim if lim > 0 else float("inf")), current_stream())
+    return out
+
+
+def w4a16_linear(x, pack, n: int, config: dict | None = None, out=None):
+    """x [..., K] bf16 @ W^T for one packed NVFP4 weight W [n, K] -> [..., n] bf16 (dense)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    cfg = dict(config or pick_dense_config(x2.shape[0], n, shape[-1]))
+    y = w4a16_launch(x2, pack, n, out=out, **cfg)
+    return y.view(*shape[:-1], n)
