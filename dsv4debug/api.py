@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import fnmatch
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,9 +165,10 @@ def writer_runs(opts: RunOptions) -> list[str]:
 def capture_meta(model: Checkpoint, token_ids: torch.Tensor, opts: RunOptions) -> dict[str, Any]:
     return {"token_ids": token_ids.tolist(), "model_config": model.config.to_dict(),
             "checkpoint": model.identity, "device": opts.device,
-            "options": json.dumps({"candidate": opts.candidate, "reference": opts.reference, "mode": opts.mode,
-                                   "forcing": opts.forcing, "qat": opts.qat, "budget": opts.budget,
-                                   "faults": [str(f) for f in opts.faults], "tool_version": __version__})}
+            "options": {"candidate": opts.candidate, "reference": opts.reference, "mode": opts.mode,
+                        "forcing": opts.forcing, "qat": opts.qat, "budget": opts.budget,
+                        "pin_router": opts.pin_router, "faults": [str(f) for f in opts.faults],
+                        "tool_version": __version__}}
 
 
 def write_results(writer, result: RunResult) -> None:

@@ -227,8 +227,54 @@ def doctor(json_out: bool = typer.Option(False, "--json")) -> None:
     out.print(t)
 
 
+def repro(capture: Path = typer.Argument(..., help="A capture written by `dsv4debug run --capture`."),
+          site: str = typer.Option(..., help="The site to reproduce, e.g. layers.3.ffn.experts.5."),
+          out_dir: Path = typer.Argument(..., help="Directory for the reproducer."),
+          checkpoint: Path | None = typer.Option(None, help="Checkpoint (default: the one the capture names)."),
+          device: str = typer.Option("cpu", help="cpu | cuda."),
+          force: bool = typer.Option(False, help="Overwrite a non-empty OUT_DIR.")) -> None:
+    """Write one op's inputs, weights and config, with the command that replays it alone."""
+    import torch
+
+    from ..capture import CaptureReader
+    from ..faults import parse_fault
+    from ..repro import make_repro
+    meta = CaptureReader(capture).meta
+    opts = meta.get("options") or {}
+    if not isinstance(opts, dict) or "candidate" not in opts:
+        raise BadInput(f"{capture}: no run options recorded (was it written by `dsv4debug run`?)")
+    model = api.open_model(checkpoint or Path(meta["checkpoint"]["path"]))
+    ids = torch.tensor(meta["token_ids"], dtype=torch.long)
+    target = make_repro(model, ids, site, out_dir, opts["candidate"], [parse_fault(f) for f in opts["faults"]],
+                        qat=opts.get("qat", True), device=device, force=force)
+    out.print(json.loads((target / "repro.json").read_text())["command"], highlight=False, soft_wrap=True)
+
+
+def repro_run(repro_dir: Path = typer.Argument(..., help="A directory written by `dsv4debug repro`."),
+              candidate: str | None = typer.Option(None, help="Candidate backend (default: the recorded one)."),
+              inject: list[str] = typer.Option([], help="Activation faults to replay (KIND@SITE[:ARG])."),
+              device: str = typer.Option("cpu", help="cpu | cuda."),
+              clean_weights: bool = typer.Option(False, help="Give the candidate the clean weights, not the "
+                                                 "ones the recorded candidate read (weight faults)."),
+              json_out: bool = typer.Option(False, "--json")) -> None:
+    """Replay one op with the reference and the candidate and compare them."""
+    from ..repro import replay
+    r = replay(repro_dir, candidate, inject, device, clean_weights=clean_weights)
+    if json_out:
+        out.print_json(json.dumps(r, default=_json_default))
+    else:
+        m = r["metrics"]
+        mark = "[red]DIVERGES[/]" if r["diverged"] else "[green]within floor[/]"
+        out.print(f"{r['site']} ({r['op']}): {r['candidate']} vs reference: rel_l2 {_fmt(m.get('rel_l2'))}, "
+                  f"cosine {_fmt(m.get('cosine'))}, max_abs {_fmt(m.get('max_abs'))}, floor {_fmt(r['floor'])}, "
+                  f"{_fmt(r['x_floor'])}x floor {mark}", highlight=False)
+    raise typer.Exit(1 if r["diverged"] else 0)
+
+
 def register(app: typer.Typer) -> None:
     app.command()(run)
     app.command()(bisect)
     app.command()(sites)
     app.command()(doctor)
+    app.command()(repro)
+    app.command("repro-run")(repro_run)
