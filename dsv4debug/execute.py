@@ -64,7 +64,7 @@ class Side:
             raise UnsupportedOp(f"{e} (site {site})") from None
         for f in self.faults:
             if f.matches(site) and self.backend.is_candidate_op(op):
-                out = _map_first(out, lambda t: apply_activation_fault(f, site, t))
+                out = _map_first(out, lambda t, f=f: apply_activation_fault(f, site, t))
         return out
 
     def _pinned_gate(self, site: str, args: list, kw: dict) -> Any:
@@ -93,9 +93,10 @@ def cast_activations(args: tuple, dtype: torch.dtype) -> tuple:
     dtype unless the shadow is fp64, where everything floating is widened.
     """
     def cast(a):
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            if a.dtype in (torch.bfloat16, torch.float16) or dtype == torch.float64:
-                return a.to(dtype)
+        widen = isinstance(a, torch.Tensor) and a.is_floating_point() and (
+            a.dtype in (torch.bfloat16, torch.float16) or dtype == torch.float64)
+        if widen:
+            return a.to(dtype)
         if isinstance(a, dict):
             return {k: cast(v) for k, v in a.items()}
         return a

@@ -64,7 +64,7 @@ def _check_arg(f: Fault) -> None:
     elif f.kind in ("scale", "noise"):
         float(f.arg if f.arg is not None else "x")
     elif f.kind == "swap_experts":
-        a, b = (int(v) for v in (f.arg or "").split(","))
+        _a, _b = (int(v) for v in (f.arg or "").split(","))
         if not re.fullmatch(r"(layers|mtp)\.\d+", f.target):
             raise ValueError
     elif f.kind == "swap_w13" and not re.fullmatch(r"(layers|mtp)\.\d+\.ffn\.experts\.\d+", f.target):

@@ -139,7 +139,7 @@ def block(ctx: Ctx, cfg: ModelConfig, layer: int, h: torch.Tensor, token_ids: to
           freqs: torch.Tensor, qat: bool) -> torch.Tensor:
     """One layer: h [S, M, D] -> [S, M, D] with mHC around attention and MoE."""
     p = block_prefix(cfg, layer)
-    hc = dict(iters=cfg.hc_sinkhorn_iters, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps)
+    hc = {"iters": cfg.hc_sinkhorn_iters, "norm_eps": cfg.norm_eps, "hc_eps": cfg.hc_eps}
     y, post, comb = ctx(p + "hc_attn.pre", "hc_pre", h, W(p + "hc_attn_fn"), W(p + "hc_attn_scale"),
                         W(p + "hc_attn_base"), **hc)
     x = ctx(p + "attn_norm", "rms_norm", y, W(p + "attn_norm.weight"), eps=cfg.norm_eps)

@@ -460,7 +460,7 @@ def repeat_check(checkpoint, token_ids: torch.Tensor, candidate: str, repeats: i
         outs: list[dict[str, torch.Tensor]] = []
         for _ in range(repeats):
             seen: dict[str, torch.Tensor] = {}
-            new_state = _run_stage(stage, side, state, lambda ev: seen.update(ev.outputs))
+            new_state = _run_stage(stage, side, state, lambda ev, seen=seen: seen.update(ev.outputs))
             outs.append(seen)
         for site, t in outs[0].items():
             compared += 1

@@ -209,10 +209,10 @@ def doctor(json_out: bool = typer.Option(False, "--json")) -> None:
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info |= {"gpu": p.name, "sm": f"sm_{p.major}{p.minor}", "gpu_memory_gib": round(p.total_memory / 2**30, 1)}
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        from importlib.metadata import version
         info["cutedsl"] = version("nvidia-cutlass-dsl")
-    except Exception:
+    except PackageNotFoundError:
         info["cutedsl"] = "not installed"
     from ..backends.registry import available
     info["backends"] = available()
