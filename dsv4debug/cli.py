@@ -22,6 +22,8 @@ def _register() -> None:
     app.add_typer(checkpoint.app, name="checkpoint", help="Synthetic real-format checkpoints; inspect; verify.")
     for module in (model, captures):
         module.register(app)
+    from .commands import kernels
+    kernels.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Uint32, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 from cutlass.cutlass_dsl import T, dsl_user_op

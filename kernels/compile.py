@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from . import load_all
 from ._common import ARCHS, compile_kernel, config_key, config_str

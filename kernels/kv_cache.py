@@ -21,11 +21,23 @@ bf16, same thread map). The cache is only 8-byte aligned per token (584 = 8 * 73
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, cute
 
-from ._common import BOTH, KernelDef, bits_f32, check_numel, compile_kernel, current_stream, device_arch, \
-    f32_bits, fake_ptr, fake_stream, group_max_int, ptr, register
+from ._common import (
+    BOTH,
+    KernelDef,
+    bits_f32,
+    check_numel,
+    compile_kernel,
+    current_stream,
+    device_arch,
+    f32_bits,
+    fake_ptr,
+    fake_stream,
+    group_max_int,
+    ptr,
+    register,
+)
 
 FP8_MAX = 448.0
 QBLOCK = 64
@@ -124,7 +136,7 @@ class KVRead(_Geometry):
     def __call__(self, f8_ptr: cute.Pointer, r_ptr: cute.Pointer, s_ptr: cute.Pointer, p_ptr: cute.Pointer,
                  bt_ptr: cute.Pointer, len_ptr: cute.Pointer, start_ptr: cute.Pointer, o_ptr: cute.Pointer,
                  nslots: Int32, B: Int32, maxb: Int32, T: Int32, max_len: Int32, stream):
-        mF, mR, mS, mP = self.views(f8_ptr, r_ptr, s_ptr, p_ptr, nslots)
+        mF, mR, mS, _mP = self.views(f8_ptr, r_ptr, s_ptr, p_ptr, nslots)
         mBT = cute.make_tensor(bt_ptr, cute.make_layout((maxb, B), stride=(1, maxb)))
         mLen = cute.make_tensor(len_ptr, cute.make_layout((B,)))
         mStart = cute.make_tensor(start_ptr, cute.make_layout((B,)))
@@ -180,9 +192,9 @@ def _build_read(nope: int = 448, rope: int = 64, block_size: int = 64):
                                             Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), fake_stream())
 
 
-register(KernelDef("kv_write", "kv_cache", BOTH, _build_write, configs=(dict(nope=448, rope=64),),
+register(KernelDef("kv_write", "kv_cache", BOTH, _build_write, configs=({"nope": 448, "rope": 64},),
                    doc="FP8 KV quantise (pow2 scale per 64) + rope bf16 + ue8m0 scales, scatter by slot mapping"))
-register(KernelDef("kv_read", "kv_cache", BOTH, _build_read, configs=(dict(nope=448, rope=64, block_size=64),),
+register(KernelDef("kv_read", "kv_cache", BOTH, _build_read, configs=({"nope": 448, "rope": 64, "block_size": 64},),
                    doc="paged FP8 KV gather by block table + dequantise to bf16"))
 
 
@@ -215,34 +227,40 @@ def write(kv, slot_mapping, cache, rope: int = 64):
     return cache
 
 
-def read(cache, block_table, seq_lens, rope: int = 64, max_len: int | None = None):
-    """Gather + dequantise: block_table [B, maxb] int32, seq_lens [B] -> kv bf16 [sum(seq_lens), d], sequences
-    one after the other, positions 0..len-1 each."""
-    import torch
+def read_into(cache, block_table, seq_lens, starts, out, max_len: int, rope: int = 64):
+    """Gather + dequantise into out [T, d] bf16 with device tensors only (no host sync; CUDA-graph safe):
+    block_table [B, maxb] int32, seq_lens [B] int32, starts [B] int32 (first output row of each sequence)."""
     nb, bs, tb = cache.shape
-    nope = None
-    for n in range(64, tb, 64):
-        if token_bytes(n, rope) == tb:
-            nope = n
-    if nope is None:
-        raise ValueError(f"cache token size {tb} matches no nope width with rope={rope}")
-    d = nope + rope
-    bt = block_table.to(device=cache.device, dtype=torch.int32).contiguous()
-    lens = seq_lens.to(device=cache.device, dtype=torch.int32).contiguous()
-    B, maxb = bt.shape
-    lens_host = seq_lens.tolist() if max_len is None else None
-    if max_len is None:
-        max_len = max(lens_host) if lens_host else 0
-    starts = (torch.cumsum(lens, 0, dtype=torch.int32) - lens).contiguous()
-    T = int(lens.sum()) if lens_host is None else sum(lens_host)
-    out = torch.empty(T, d, dtype=torch.bfloat16, device=cache.device)
+    nope = _nope_of(tb, rope)
+    B, maxb = block_table.shape
     check_numel(out)
-    if T == 0:
+    if out.numel() == 0 or max_len == 0:
         return out
     fn = compile_kernel("kv_read", device_arch(cache.device), nope=nope, rope=rope, block_size=bs)
-    fn(*_pointers(cache, nope, rope), ptr(bt, Int32, 4), ptr(lens, Int32, 4), ptr(starts, Int32, 4), ptr(out),
-       Int32(nb * bs), Int32(B), Int32(maxb), Int32(T), Int32(max_len), current_stream())
+    fn(*_pointers(cache, nope, rope), ptr(block_table, Int32, 4), ptr(seq_lens, Int32, 4), ptr(starts, Int32, 4),
+       ptr(out), Int32(nb * bs), Int32(B), Int32(maxb), Int32(out.size(0)), Int32(max_len), current_stream())
     return out
+
+
+def _nope_of(tb: int, rope: int) -> int:
+    for n in range(64, tb, 64):
+        if token_bytes(n, rope) == tb:
+            return n
+    raise ValueError(f"cache token size {tb} matches no nope width with rope={rope}")
+
+
+def read(cache, block_table, seq_lens, rope: int = 64):
+    """Gather + dequantise: block_table [B, maxb], seq_lens (host list or tensor) -> kv bf16
+    [sum(seq_lens), d], the sequences one after the other, positions 0..len-1 each."""
+    import torch
+    lens_host = [int(v) for v in (seq_lens.tolist() if torch.is_tensor(seq_lens) else seq_lens)]
+    d = _nope_of(cache.size(-1), rope) + rope
+    dev = cache.device
+    bt = block_table.to(device=dev, dtype=torch.int32).contiguous()
+    lens = torch.tensor(lens_host, dtype=torch.int32, device=dev)
+    starts = torch.tensor([sum(lens_host[:i]) for i in range(len(lens_host))], dtype=torch.int32, device=dev)
+    out = torch.empty(sum(lens_host), d, dtype=torch.bfloat16, device=dev)
+    return read_into(cache, bt, lens, starts, out, max(lens_host, default=0), rope)
 
 
 def round_trip(kv, rope: int = 64, block_size: int = 64, generator=None):
@@ -257,7 +275,7 @@ def round_trip(kv, rope: int = 64, block_size: int = 64, generator=None):
     pos = torch.arange(S, device=kv.device)
     slots = perm[pos // block_size].to(torch.int64) * block_size + pos % block_size
     write(kv, slots, cache, rope)
-    out = read(cache, block_table, torch.tensor([S], dtype=torch.int32), rope, max_len=S)
+    out = read(cache, block_table, [S], rope)
     return out, cache, block_table
 
 
@@ -284,8 +302,7 @@ def reference_pack(kv, rope: int = 64):
 def reference_unpack(packed, rope: int = 64):
     """uint8 [S, token_bytes] -> kv bf16 [S, d] (exactly kv_qat's values for packed = reference_pack(kv))."""
     import torch
-    tb = packed.size(-1)
-    nope = next(n for n in range(64, tb, 64) if token_bytes(n, rope) == tb)
+    nope = _nope_of(packed.size(-1), rope)
     q = packed[:, :nope].contiguous().view(torch.float8_e4m3fn).float().unflatten(-1, (-1, QBLOCK))
     k = packed[:, nope + 2 * rope:nope + 2 * rope + nope // QBLOCK].float() - 127
     nope_vals = (q * torch.exp2(k).unsqueeze(-1)).flatten(-2).to(torch.bfloat16)

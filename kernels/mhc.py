@@ -14,12 +14,22 @@ hc_post is one kernel: out[s, k] = post[s, k] * a[s] + sum_j comb[s, j, k] * res
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr, cute
 from cutlass.memory import SmemAllocator
 
-from ._common import BOTH, KernelDef, check_numel, compile_kernel, current_stream, device_arch, fake_ptr, \
-    fake_stream, group_sum, ptr, register
+from ._common import (
+    BOTH,
+    KernelDef,
+    check_numel,
+    compile_kernel,
+    current_stream,
+    device_arch,
+    fake_ptr,
+    fake_stream,
+    group_sum,
+    ptr,
+    register,
+)
 
 CHUNK = 256        # features per warp pass in hc_mix: lane holds [h*128 + 4*lane, +4) for h = 0, 1
 
@@ -136,15 +146,16 @@ class HcMix:
 
 class HcPreApply:
     """mixes fp32 [S, (2+M)M], scale fp32 [3], base fp32 [(2+M)M], x bf16 [S, M, D]
-    -> y bf16 [S, D], post fp32 [S, M], comb fp32 [S, M, M]."""
+    -> y bf16 [S, D], post fp32 [S, M], comb fp32 [S, M, M].
+    head=True (ParallelHead.hc_head): mixes [S, M], scale [1], base [M] -> y only."""
 
-    def __init__(self, D: int, M: int = 4, iters: int = 20):
+    def __init__(self, D: int, M: int = 4, iters: int = 20, head: bool = False):
         if M != 4:
             raise ValueError("hc_pre_apply is written for hc_mult = 4 (16 lanes a token)")
         if D % 128:
             raise ValueError(f"hc_pre_apply: D={D} must be a multiple of 128")
-        self.D, self.M, self.iters = D, M, iters
-        self.nmix = (2 + M) * M
+        self.D, self.M, self.iters, self.head = D, M, iters, head
+        self.nmix = M if head else (2 + M) * M          # hc_head: only the pre weights (no Sinkhorn)
         self.threads = 256
         self.tokens_per_cta = self.threads // (M * M)
         self.dvec = D // 8
@@ -181,33 +192,35 @@ class HcPreApply:
         tok_c = cutlass.min(tok, S - 1)
         m4 = e % M
         pre = Float32(1.0) / (Float32(1.0) + cute.math.exp(-(mMix[m4, tok_c] * mScale[0] + mBase[m4]))) + hc_eps
-        post = Float32(2.0) / (Float32(1.0) + cute.math.exp(-(mMix[M + m4, tok_c] * mScale[1] + mBase[M + m4])))
-        c = mMix[2 * M + e, tok_c] * mScale[2] + mBase[2 * M + e]
-        mx = c
-        for off in (1, 2):                                          # row max over k
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=off))
-        c = cute.math.exp(c - mx)
-        rs = c
-        for off in (1, 2):
-            rs = rs + cute.arch.shuffle_sync_bfly(rs, offset=off)
-        c = c / rs + hc_eps
-        cs = c
-        for off in (4, 8):                                          # column sum over j
-            cs = cs + cute.arch.shuffle_sync_bfly(cs, offset=off)
-        c = c / (cs + hc_eps)
-        for _ in cutlass.range_constexpr(self.iters - 1):
+        if const_expr(not self.head):
+            zp = mMix[M + m4, tok_c] * mScale[1] + mBase[M + m4]
+            post = Float32(2.0) / (Float32(1.0) + cute.math.exp(-zp))
+            c = mMix[2 * M + e, tok_c] * mScale[2] + mBase[2 * M + e]
+            mx = c
+            for off in (1, 2):                                          # row max over k
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=off))
+            c = cute.math.exp(c - mx)
             rs = c
             for off in (1, 2):
                 rs = rs + cute.arch.shuffle_sync_bfly(rs, offset=off)
-            c = c / (rs + hc_eps)
+            c = c / rs + hc_eps
             cs = c
-            for off in (4, 8):
+            for off in (4, 8):                                          # column sum over j
                 cs = cs + cute.arch.shuffle_sync_bfly(cs, offset=off)
             c = c / (cs + hc_eps)
-        if tok < S:
-            mComb[e, tok] = c
-            if e < M:
-                mPost[e, tok] = post
+            for _ in cutlass.range_constexpr(self.iters - 1):
+                rs = c
+                for off in (1, 2):
+                    rs = rs + cute.arch.shuffle_sync_bfly(rs, offset=off)
+                c = c / (rs + hc_eps)
+                cs = c
+                for off in (4, 8):
+                    cs = cs + cute.arch.shuffle_sync_bfly(cs, offset=off)
+                c = c / (cs + hc_eps)
+            if tok < S:
+                mComb[e, tok] = c
+                if e < M:
+                    mPost[e, tok] = post
         if e < M:
             sPre[e, tl] = pre
         cute.arch.barrier()
@@ -288,8 +301,8 @@ def _build_mix(K: int, nmix: int = 24):
                             fake_stream())
 
 
-def _build_apply(D: int, M: int = 4, iters: int = 20):
-    return HcPreApply(D, M, iters), (fake_ptr(Float32, 4), fake_ptr(Float32, 4), fake_ptr(Float32, 4),
+def _build_apply(D: int, M: int = 4, iters: int = 20, head: bool = False):
+    return HcPreApply(D, M, iters, head), (fake_ptr(Float32, 4), fake_ptr(Float32, 4), fake_ptr(Float32, 4),
                                      fake_ptr(BFloat16), fake_ptr(BFloat16), fake_ptr(Float32, 4),
                                      fake_ptr(Float32, 4), Int32(1), Float32(1e-6), fake_stream())
 
@@ -300,12 +313,14 @@ def _build_post(D: int, M: int = 4):
 
 
 register(KernelDef("hc_mix", "mhc", BOTH, _build_mix,
-                   configs=(dict(K=4 * 7168, nmix=24), dict(K=4 * 4096, nmix=24)),
+                   configs=({"K": 4 * 7168, "nmix": 24}, {"K": 4 * 4096, "nmix": 24}, {"K": 4 * 7168, "nmix": 4}),
+                   ci_configs=({"K": 4 * 7168, "nmix": 24},),
                    doc="mHC mixes: RMS over 4*D times the 24-column projection, fp32 (cp.async-staged fn)"))
 register(KernelDef("hc_pre_apply", "mhc", BOTH, _build_apply,
-                   configs=(dict(D=7168, M=4, iters=20), dict(D=4096, M=4, iters=20)),
-                   doc="mHC pre: sigmoid, softmax + Sinkhorn (shuffles), weighted stream sum"))
-register(KernelDef("hc_post", "mhc", BOTH, _build_post, configs=(dict(D=7168, M=4), dict(D=4096, M=4)),
+                   configs=({"D": 7168, "M": 4, "iters": 20}, {"D": 4096, "M": 4, "iters": 20},
+                            {"D": 7168, "M": 4, "iters": 0, "head": True}, {"D": 4096, "M": 4, "iters": 0, "head": True}),
+                   doc="mHC pre: sigmoid, softmax + Sinkhorn (shuffles), weighted stream sum (and hc_head)"))
+register(KernelDef("hc_post", "mhc", BOTH, _build_post, configs=({"D": 7168, "M": 4}, {"D": 4096, "M": 4}),
                    doc="mHC post: post * a + comb^T . residual"))
 
 
@@ -347,6 +362,24 @@ def hc_pre(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float):
         f(ptr(mixes, Float32, 4), ptr(scale, Float32, 4), ptr(base, Float32, 4), ptr(x), ptr(y),
           ptr(post, Float32, 4), ptr(comb, Float32, 4), Int32(S), Float32(hc_eps), current_stream())
     return y, post, comb
+
+
+def hc_head(x, fn, scale, base, norm_eps: float, hc_eps: float):
+    """ParallelHead.hc_head: x [S, M, D] bf16 -> [S, D] bf16 (sigmoid-weighted stream sum, no Sinkhorn)."""
+    import torch
+    if x.dtype != torch.bfloat16 or x.dim() != 3:
+        raise ValueError("hc_head kernel takes x [S, M, D] bf16")
+    x = x.contiguous()
+    S, M, D = x.shape
+    mixes = hc_mixes(x, fn, norm_eps)
+    scale = scale.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
+    base = base.to(device=x.device, dtype=torch.float32).contiguous()
+    y = torch.empty(S, D, dtype=torch.bfloat16, device=x.device)
+    if S:
+        f = compile_kernel("hc_pre_apply", device_arch(x.device), D=D, M=M, iters=0, head=True)
+        f(ptr(mixes, Float32, 4), ptr(scale, Float32, 4), ptr(base, Float32, 4), ptr(x), ptr(y),
+          ptr(mixes, Float32, 4), ptr(mixes, Float32, 4), Int32(S), Float32(hc_eps), current_stream())
+    return y
 
 
 def hc_post(a, residual, post, comb):

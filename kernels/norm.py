@@ -10,12 +10,23 @@ judged against the fp32 twin of the reference.
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr, cute
 from cutlass.memory import SmemAllocator
 
-from ._common import BOTH, KernelDef, check_numel, compile_kernel, current_stream, device_arch, fake_ptr, \
-    fake_stream, group_sum, ptr, register, row_geometry
+from ._common import (
+    BOTH,
+    KernelDef,
+    check_numel,
+    compile_kernel,
+    current_stream,
+    device_arch,
+    fake_ptr,
+    fake_stream,
+    group_sum,
+    ptr,
+    register,
+    row_geometry,
+)
 
 _DTYPES = {"bf16": BFloat16, "fp32": Float32}
 
@@ -93,9 +104,9 @@ def _build(n: int, weighted: bool, dtype: str = "bf16"):
 register(KernelDef(
     "rmsnorm", "norm", BOTH, _build,
     # Pro/Flash widths: dim, q_lora_rank, kv (head_dim); the per-head q norm (head_dim, no weight)
-    configs=(dict(n=7168, weighted=True), dict(n=4096, weighted=True), dict(n=1536, weighted=True),
-             dict(n=1024, weighted=True), dict(n=512, weighted=True), dict(n=512, weighted=False)),
-    ci_configs=(dict(n=7168, weighted=True), dict(n=512, weighted=False)),
+    configs=({"n": 7168, "weighted": True}, {"n": 4096, "weighted": True}, {"n": 1536, "weighted": True},
+             {"n": 1024, "weighted": True}, {"n": 512, "weighted": True}, {"n": 512, "weighted": False}),
+    ci_configs=({"n": 7168, "weighted": True}, {"n": 512, "weighted": False}),
     doc="weighted RMSNorm and the unweighted per-head q norm, fp32 math, bf16 in/out"))
 
 

@@ -22,12 +22,23 @@ block scales agree bit for bit with the reference on whatever device runs it.
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint8, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Uint32, cute
 from cutlass.memory import SmemAllocator
 
-from ._common import BOTH, KernelDef, bits_f32, check_numel, compile_kernel, current_stream, device_arch, \
-    fake_ptr, fake_stream, group_max_int, ptr, register
+from ._common import (
+    BOTH,
+    KernelDef,
+    bits_f32,
+    check_numel,
+    compile_kernel,
+    current_stream,
+    device_arch,
+    fake_ptr,
+    fake_stream,
+    group_max_int,
+    ptr,
+    register,
+)
 
 BLOCK = 16
 FP4_MAX, FP8_MAX = 6.0, 448.0

@@ -14,11 +14,20 @@ Two forms:
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr, cute
 
-from ._common import BOTH, KernelDef, check_numel, compile_kernel, current_stream, device_arch, fake_ptr, \
-    fake_stream, ptr, register
+from ._common import (
+    BOTH,
+    KernelDef,
+    check_numel,
+    compile_kernel,
+    current_stream,
+    device_arch,
+    fake_ptr,
+    fake_stream,
+    ptr,
+    register,
+)
 
 VEC = 8            # bf16 elements per 128-bit access
 
@@ -90,9 +99,9 @@ def _build(d: int = 512, r: int = 64, inverse: bool = False, inplace: bool = Fal
 
 register(KernelDef(
     "rope", "rope", BOTH, _build,
-    configs=(dict(d=512, r=64, inverse=False, inplace=False), dict(d=512, r=64, inverse=True, inplace=False),
-             dict(d=512, r=64, inverse=False, inplace=True), dict(d=512, r=64, inverse=True, inplace=True)),
-    ci_configs=(dict(d=512, r=64, inverse=False, inplace=False), dict(d=512, r=64, inverse=True, inplace=True)),
+    configs=({"d": 512, "r": 64, "inverse": False, "inplace": False}, {"d": 512, "r": 64, "inverse": True, "inplace": False},
+             {"d": 512, "r": 64, "inverse": False, "inplace": True}, {"d": 512, "r": 64, "inverse": True, "inplace": True}),
+    ci_configs=({"d": 512, "r": 64, "inverse": False, "inplace": False}, {"d": 512, "r": 64, "inverse": True, "inplace": True}),
     doc="interleaved RoPE on the last 64 of 512 dims, forward/inverse, out of place or in place"))
 
 

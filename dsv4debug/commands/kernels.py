@@ -1,0 +1,166 @@
+"""`dsv4debug kernels compile|check`: CuTeDSL compile table (no GPU needed) and the GPU correctness + speed table."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import BadInput
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="CuTeDSL kernels: compile for sm_90a/sm_100a without a GPU; check and time them on one.")
+out = Console()
+err = Console(stderr=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document instead of tables")]
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else "inf" if v > 0 else "-inf"
+    if isinstance(v, dict):
+        return {str(k): _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
+def _need_cutedsl() -> None:
+    try:
+        import cutlass  # noqa: F401
+    except ImportError as e:
+        raise BadInput(f"CuTeDSL is not installed (pip install 'dsv4debug[gpu]', nvidia-cutlass-dsl 4.8.1): {e}") \
+            from None
+
+
+def compile_cmd(arch: Annotated[str, typer.Option(help="comma-separated targets")] = "sm_90a,sm_100a",
+                subset: Annotated[str, typer.Option(help="all: every declared configuration; ci: one or two "
+                                                    "representative configurations per kernel")] = "all",
+                kernel: Annotated[list[str] | None, typer.Option(help="only these kernels (repeatable)")] = None,
+                as_json: JsonOpt = False) -> None:
+    """Compile every kernel for each target arch on this machine (no GPU: CUTE_DSL_ARCH-style targets, fake
+    tensors). Exit 1 when any compile fails."""
+    _need_cutedsl()
+    from dsv4_kernels import load_all
+    from dsv4_kernels._common import ARCHS
+    from dsv4_kernels.compile import compile_all
+    archs = [a.strip() for a in arch.split(",") if a.strip()]
+    bad = [a for a in archs if a not in ARCHS]
+    if bad:
+        raise BadInput(f"--arch {','.join(bad)}: kernels are declared for {', '.join(ARCHS)} only")
+    if subset not in ("all", "ci"):
+        raise BadInput("--subset must be 'all' or 'ci'")
+    reg = load_all()
+    unknown = [k for k in (kernel or []) if k not in reg]
+    if unknown:
+        raise BadInput(f"unknown kernel(s) {', '.join(unknown)}; known: {', '.join(reg)}")
+
+    def progress(i: int, n: int, row: dict) -> None:
+        if not as_json:
+            err.print(f"[{i}/{n}] {row['kernel']} {row['arch']} {row['config']}: "
+                      f"{'ok' if row['ok'] else 'FAILED'} {row['seconds']:.2f}s", highlight=False)
+
+    import time
+    t0 = time.perf_counter()
+    rows = compile_all(archs, subset, kernel, progress)
+    total = time.perf_counter() - t0
+    ok = all(r["ok"] for r in rows)
+    if as_json:
+        print(json.dumps({"archs": archs, "subset": subset, "total_seconds": round(total, 2), "ok": ok,
+                          "rows": [{k: v for k, v in r.items() if k != "traceback"} for r in rows]}, indent=1))
+    else:
+        t = Table(title=f"CuTeDSL compile ({len(rows)} kernels x configs x archs, {total:.1f} s)")
+        for col in ("kernel", "family", "arch", "config", "seconds", "ok"):
+            t.add_column(col)
+        for r in rows:
+            t.add_row(r["kernel"], r["family"], r["arch"], r["config"] or "-", f"{r['seconds']:.2f}",
+                      "[green]ok[/]" if r["ok"] else f"[red]FAILED[/] {r['error']}")
+        out.print(t)
+        for r in rows:
+            if not r["ok"]:
+                err.print(f"{r['kernel']} {r['arch']} {r['config']}:\n{r.get('traceback', '')}", highlight=False)
+    raise typer.Exit(0 if ok else 1)
+
+
+def _fmt(v: Any, spec: str = ".3g") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def check_cmd(shapes: Annotated[str, typer.Option(help="pro | flash | tiny (model presets)")] = "pro",
+              seq: Annotated[int | None, typer.Option(help="tokens (default: 4096 for pro/flash, 256 tiny)")]
+              = None,
+              bench: Annotated[bool, typer.Option("--bench", help="time kernels against torch in the same run")]
+              = False,
+              compile_baselines: Annotated[bool, typer.Option(help="include torch.compile baselines with --bench")]
+              = True,
+              output: Annotated[Path | None, typer.Option("--output", "-o", help="also write the JSON here")]
+              = None,
+              as_json: JsonOpt = False) -> None:
+    """Every kernel against its references/ op at real shapes on this machine's GPU (exit 1 if any fails)."""
+    import torch
+    if shapes not in ("pro", "flash", "tiny"):
+        raise BadInput(f"--shapes {shapes!r}: choose pro, flash or tiny")
+    if seq is not None and seq < 1:
+        raise BadInput("--seq must be >= 1")
+    if not torch.cuda.is_available():
+        raise BadInput("kernels check needs a CUDA GPU and this machine has none; nothing was checked "
+                       "(`dsv4debug kernels compile` checks compilation without a GPU)")
+    _need_cutedsl()
+    from dsv4_kernels.check import run_checks
+    log = (lambda s: err.print(s, highlight=False)) if not as_json else (lambda s: print(s, file=sys.stderr))
+    doc = run_checks(shapes, seq, bench, compile_baselines, log=log)
+    doc = _finite(doc)
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(doc, indent=1))
+    if as_json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print_table(doc)
+    raise typer.Exit(0 if doc["passed"] else 1)
+
+
+def print_table(doc: dict) -> None:
+    env = doc["env"]
+    t = Table(title=f"kernels check: {doc['preset']} shapes, {doc['seq']} tokens, {env.get('gpu', '?')}, "
+                    f"torch {env['torch']}, CuTeDSL {env['cutedsl']}")
+    cols = ["op", "case", "shape", "cos", "max err", "ulp", "NaN", "bar", "result"]
+    if doc["bench"]:
+        cols += ["kernel us", "torch best us", "speedup", "GB/s", "% copy"]
+    for c in cols:
+        t.add_column(c)
+    for r in doc["rows"]:
+        cells = [r["op"], r["case"], r["shape"], _fmt(r["cos"], ".7f"), _fmt(r["max_err"]), _fmt(r["max_ulp"]),
+                 str(r["nan"]), r["bar"] + (f" ({r['note']})" if r["note"] else ""),
+                 "[green]pass[/]" if r["passed"] else "[red]FAIL[/]"]
+        if doc["bench"]:
+            b = r.get("bench") or {}
+            k = b.get("kernel", {})
+            cells += [_fmt(k.get("us"), ".1f"),
+                      (_fmt(b.get("torch_best_us"), ".1f") + f" ({b['torch_best']})") if b.get("torch_best") else "-",
+                      _fmt(b.get("speedup"), ".2f"), _fmt(b.get("GBps"), ".0f"),
+                      _fmt(100 * b["of_copy"], ".0f") if b.get("of_copy") else "-"]
+        t.add_row(*cells)
+    out.print(t)
+    if doc.get("copy_bandwidth"):
+        out.print(f"device copy bandwidth (read + write): {doc['copy_bandwidth']['GBps']:.0f} GB/s")
+
+
+def register(app_root: typer.Typer) -> None:
+    app.command("compile", help="Compile every kernel for sm_90a / sm_100a on this machine (no GPU needed); "
+                "table of kernel, arch, config, seconds, ok. Exit 1 on any failure.")(compile_cmd)
+    app.command("check", help="GPU: each kernel against its references/ op at real shapes (cosine, max error, "
+                "NaN, bar, pass/fail); --bench times them against torch. Exit 1 on a failure, 2 without a GPU."
+                )(check_cmd)
+    app_root.add_typer(app, name="kernels", help="CuTeDSL kernels: compile (no GPU) and check (GPU).")
+

@@ -1,0 +1,560 @@
+"""GPU correctness and speed table of the kernels (`dsv4debug kernels check`).
+
+Every kernel runs on fresh random inputs at the model's real shapes and is compared with its references/ op:
+
+- norms, rope, mHC: against the fp32 twin of the reference (the op on upcast inputs); bar "bf16": at most one
+  bf16 ulp from the fp32 value everywhere (what one rounding of the exact result allows) and cosine >= 0.99999;
+  mHC post/comb (fp32 outputs): max abs error <= 1e-4;
+- NVFP4: codes, e4m3 scales and the global scale bit-identical to a bit-level torch quantiser
+  (nvfp4.reference_quantize), dequantised values bit-identical to dsv4debug.backends.sim.nvfp4_act_quant;
+- FP8 KV cache: the cache bytes written at each slot bit-identical to the serving layout built by torch
+  (kv_cache.reference_pack), the paged read bit-identical to references' kv_qat (fp8_sim), and cosine of the
+  round trip against the input >= 0.9997.
+
+With bench=True each kernel is timed (CUDA-graph replay of many launches, rotating input sets larger than L2)
+against the torch formulations of the same op in the same run: the reference op as written (eager),
+torch.compile of it, and a fused torch op where one exists. Achieved bandwidth counts each input read once and
+each output written once, against the device's device-to-device copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SHAPES = ("pro", "flash", "tiny")
+DEFAULT_SEQ = {"pro": 4096, "flash": 4096, "tiny": 256}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Metrics and bars
+# --------------------------------------------------------------------------------------------------------
+
+def _chunks(n: int, step: int = 1 << 25):
+    return [(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+def compare(got: torch.Tensor, want: torch.Tensor) -> dict[str, Any]:
+    """cosine (fp64), max abs error, max error in bf16 ulps of the wanted value, non-finite count of got."""
+    g, w = got.reshape(-1), want.reshape(-1)
+    dot = gg = ww = 0.0
+    max_err = max_ulp = 0.0
+    nonfinite = 0
+    for a, b in _chunks(g.numel()):
+        x, y = g[a:b].double(), w[a:b].double()
+        nonfinite += int((~torch.isfinite(x)).sum())
+        dot += float((x * y).sum())
+        gg += float((x * x).sum())
+        ww += float((y * y).sum())
+        err = (x - y).abs()
+        max_err = max(max_err, float(err.max()) if err.numel() else 0.0)
+        e = torch.floor(torch.log2(y.abs().clamp(min=2.0 ** -126)))
+        max_ulp = max(max_ulp, float((err / torch.exp2(e - 7)).max()) if err.numel() else 0.0)
+    cos = dot / math.sqrt(gg * ww) if gg > 0 and ww > 0 else (1.0 if gg == ww else 0.0)
+    return {"cos": cos, "max_err": max_err, "max_ulp": max_ulp, "nan": nonfinite}
+
+
+def bits_equal(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, int]:
+    """Bit-identical (dtype and every bit, signed zeros included); number of differing elements."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False, -1
+    itype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    diff = int((got.contiguous().view(itype) != want.contiguous().view(itype)).sum())
+    return diff == 0, diff
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    shape: str
+    bar: str
+    passed: bool
+    cos: float | None = None
+    max_err: float | None = None
+    max_ulp: float | None = None
+    nan: int = 0
+    mismatches: int | None = None
+    note: str = ""
+    bench: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def bf16_row(op, case, shape, got, want, note="") -> Row:
+    m = compare(got, want)
+    ok = m["nan"] == 0 and m["max_ulp"] <= 1.0 and m["cos"] >= 0.99999
+    return Row(op, case, shape, "bf16: <=1 ulp of fp32 ref, cos>=0.99999", ok, m["cos"], m["max_err"],
+               m["max_ulp"], m["nan"], note=note)
+
+
+def abs_row(op, case, shape, got, want, tol=1e-4) -> Row:
+    m = compare(got, want)
+    ok = m["nan"] == 0 and m["max_err"] <= tol
+    return Row(op, case, shape, f"fp32: max abs err <= {tol:g}", ok, m["cos"], m["max_err"], None, m["nan"])
+
+
+def exact_row(op, case, shape, got, want, what: str, cos_vs=None, cos_bar=None) -> Row:
+    ok, diff = bits_equal(got, want)
+    m = compare(got.float() if got.is_floating_point() else got.double(),
+                want.float() if want.is_floating_point() else want.double()) if got.shape == want.shape else {}
+    bar = f"bit-identical to {what}"
+    note = ""
+    if cos_vs is not None:
+        c = compare(got.float(), cos_vs.float())["cos"]
+        note = f"cos vs input {c:.6f}"
+        bar += f", cos vs input >= {cos_bar}"
+        ok = ok and c >= cos_bar
+    return Row(op, case, shape, bar, ok, m.get("cos"), m.get("max_err"), None, m.get("nan", 0), diff, note)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------------
+
+L2_BYTES = 60 << 20
+
+
+def n_sets(bytes_per_call: int) -> int:
+    """Input sets to rotate through so that one pass over them is several times the L2."""
+    return max(1, min(8, math.ceil(4 * L2_BYTES / max(bytes_per_call, 1))))
+
+
+def time_fn(fn: Callable[[int], Any], nsets: int, reps: int = 20) -> dict[str, Any]:
+    """Median microseconds per call of fn(i % nsets): CUDA-graph replay (device time) and eager calls
+    (includes the host's launch cost). Graph capture falls back to eager timing if it fails."""
+    for i in range(nsets):
+        fn(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def eager() -> float:
+        samples = []
+        for _ in range(5):
+            start.record()
+            for i in range(reps):
+                fn(i % nsets)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / reps)
+        return sorted(samples)[len(samples) // 2]
+
+    out: dict[str, Any] = {"eager_us": eager()}
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(0)                                   # warm on the side stream before capture
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            for i in range(reps):
+                fn(i % nsets)
+        graph.replay()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(7):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / reps)
+        out["graph_us"] = sorted(samples)[len(samples) // 2]
+        out["us"] = out["graph_us"]
+        out["mode"] = "graph"
+    except Exception as e:                          # noqa: BLE001 - recorded
+        out["us"] = out["eager_us"]
+        out["mode"] = f"eager (graph capture failed: {str(e).splitlines()[0][:120]})"
+    return out
+
+
+def copy_bandwidth() -> dict[str, Any]:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = time_fn(lambda i: dst.copy_(src), 1, reps=10)
+    return {"bytes_per_copy": 2 * n, "us": t["us"], "GBps": 2 * n / t["us"] / 1e3}
+
+
+_COMPILED: dict[Any, Any] = {}
+
+
+def compiled(fn):
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]
+
+
+def bench(kernel: Callable[[int], Any], baselines: dict[str, Callable[[int], Any]], nbytes: int, nsets: int,
+          copy_gbps: float | None) -> dict[str, Any]:
+    res: dict[str, Any] = {"bytes": nbytes, "sets": nsets}
+    k = time_fn(kernel, nsets)
+    res["kernel"] = k
+    res["baselines"] = {}
+    for name, fn in baselines.items():
+        try:
+            res["baselines"][name] = time_fn(fn, nsets)
+        except Exception as e:                      # noqa: BLE001 - a baseline that cannot run is reported
+            res["baselines"][name] = {"error": str(e).splitlines()[0][:200] if str(e) else type(e).__name__}
+    timed = {n: b["us"] for n, b in res["baselines"].items() if "us" in b}
+    if timed:
+        best = min(timed, key=timed.get)
+        res["torch_best"] = best
+        res["torch_best_us"] = timed[best]
+        res["speedup"] = timed[best] / k["us"]
+    res["GBps"] = nbytes / k["us"] / 1e3
+    if copy_gbps:
+        res["of_copy"] = res["GBps"] / copy_gbps
+    return res
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------------------
+
+def _bf16(shape, scale=1.0, gen=None):
+    return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+
+def _shape(*dims) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"
+
+
+class Checker:
+    def __init__(self, preset: str, seq: int | None, do_bench: bool, compile_baselines: bool = True,
+                 seed: int = 0, log: Callable[[str], None] = print):
+        from dsv4debug.config import preset as make_preset
+        self.cfg = make_preset(preset)
+        self.preset = preset
+        self.S = seq or DEFAULT_SEQ[preset]
+        self.do_bench = do_bench
+        self.compile_baselines = compile_baselines
+        self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.log = log
+        self.rows: list[Row] = []
+        self.copy = copy_bandwidth() if do_bench else None
+
+    # -- helpers
+    def add(self, row: Row, bench_fn: Callable[[], dict] | None = None) -> None:
+        if bench_fn is not None and self.do_bench:
+            try:
+                row.bench = bench_fn()
+            except Exception as e:                  # noqa: BLE001
+                row.bench = {"error": str(e).splitlines()[0][:200] if str(e) else type(e).__name__}
+        self.rows.append(row)
+        self.log(f"  {row.op:14s} {row.case:22s} {row.shape:20s} {'PASS' if row.passed else 'FAIL'}"
+                 + (f"  cos={row.cos:.7f}" if row.cos is not None else "")
+                 + (f" max_ulp={row.max_ulp:.3g}" if row.max_ulp is not None else "")
+                 + (f" mismatches={row.mismatches}" if row.mismatches is not None else "")
+                 + (f"  x{row.bench['speedup']:.2f} vs {row.bench['torch_best']}" if row.bench.get("speedup")
+                    else ""))
+
+    def _bench(self, kernel, baselines, nbytes):
+        base = dict(baselines)
+        if self.compile_baselines:
+            for name, fn in list(baselines.items()):
+                if name.startswith("eager") and getattr(fn, "_compilable", None) is not None:
+                    base["compiled"] = fn._compilable
+        copy = self.copy["GBps"] if self.copy else None
+        return lambda: bench(kernel, base, nbytes, self._sets, copy)
+
+    def sets(self, nbytes: int) -> int:
+        self._sets = n_sets(nbytes) if self.do_bench else 1
+        return self._sets
+
+    # -- ops
+    def run(self) -> list[Row]:
+        t0 = time.perf_counter()
+        for fn in (self.check_norms, self.check_rope, self.check_nvfp4, self.check_kv, self.check_mhc):
+            fn()
+            torch.cuda.empty_cache()
+        self.seconds = time.perf_counter() - t0
+        return self.rows
+
+    def check_norms(self):
+        import dsv4_references as ref
+
+        from . import norm as K
+        cfg, S, eps = self.cfg, self.S, self.cfg.norm_eps
+        for case, n in (("attn_norm", cfg.dim), ("q_norm", cfg.q_lora_rank), ("kv_norm", cfg.head_dim)):
+            nbytes = S * n * 2 * 2 + n * 4
+            k = self.sets(nbytes)
+            xs = [_bf16((S, n), 2.0, self.gen) for _ in range(k)]
+            w = 1 + 0.05 * torch.randn(n, device="cuda", generator=self.gen)
+            got = K.rms_norm(xs[0], w, eps)
+            self.add(bf16_row("rms_norm", case, _shape(S, n), got, ref.rms_norm(xs[0].float(), w, eps)),
+                     self._bench(lambda i, xs=xs, w=w: K.rms_norm(xs[i], w, eps),
+                                 {"eager": _with_compiled(lambda i, xs=xs, w=w: ref.rms_norm(xs[i], w, eps),
+                                                          lambda i, xs=xs, w=w: compiled(ref.rms_norm)(xs[i], w, eps)),
+                                  "F.rms_norm": lambda i, xs=xs, w=w, n=n: torch.nn.functional.rms_norm(xs[i], (n,), w, eps)},
+                                 nbytes))
+        H, d = cfg.n_heads, cfg.head_dim
+        nbytes = S * H * d * 4
+        k = self.sets(nbytes)
+        qs = [_bf16((S, H, d), 1.0, self.gen) for _ in range(k)]
+        got = K.head_rms_norm(qs[0], eps)
+        self.add(bf16_row("head_rms_norm", "q_head_norm", _shape(S, H, d), got,
+                          ref.head_rms_norm(qs[0].float(), eps)),
+                 self._bench(lambda i: K.head_rms_norm(qs[i], eps),
+                             {"eager": _with_compiled(lambda i: ref.head_rms_norm(qs[i], eps),
+                                                      lambda i: compiled(ref.head_rms_norm)(qs[i], eps)),
+                              "F.rms_norm": lambda i: torch.nn.functional.rms_norm(qs[i], (d,), None, eps)},
+                             nbytes))
+
+    def check_rope(self):
+        import dsv4_references as ref
+
+        from . import rope as K
+        cfg, S = self.cfg, self.S
+        H, d, r = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
+        plain = ref.rope_freqs(S, r, cfg.rope_theta).cuda()
+        yarn = ref.rope_freqs(S, r, cfg.compress_rope_theta, cfg.original_seq_len, cfg.rope_factor,
+                              cfg.beta_fast, cfg.beta_slow).cuda()
+        cs_yarn = K.cos_sin(yarn)
+        cs_plain = K.cos_sin(plain)
+        for case, heads, freqs, cs, inverse in (("q_rope (yarn)", H, yarn, cs_yarn, False),
+                                                ("o_rope inverse (yarn)", H, yarn, cs_yarn, True),
+                                                ("kv_rope (plain)", 0, plain, cs_plain, False)):
+            shape = (S, heads, d) if heads else (S, d)
+            nbytes = 2 * math.prod(shape) * 2 + cs.numel() * 4
+            k = self.sets(nbytes)
+            xs = [_bf16(shape, 1.0, self.gen) for _ in range(k)]
+            got = K.rope(xs[0], freqs, inverse)
+            want = ref.apply_rope(xs[0].float(), freqs, inverse)
+            bf16_ref = ref.apply_rope(xs[0], freqs, inverse)
+            same = bits_equal(got, bf16_ref)[1]
+            self.add(bf16_row("rope", case, _shape(*shape), got, want,
+                              note=f"{same} elements differ from the bf16 reference"),
+                     self._bench(lambda i, xs=xs, freqs=freqs, cs=cs, inverse=inverse: K.rope(xs[i], freqs, inverse),
+                                 {"eager": _with_compiled(lambda i, xs=xs, freqs=freqs, cs=cs, inverse=inverse: ref.apply_rope(xs[i], freqs, inverse),
+                                                          lambda i, xs=xs, freqs=freqs, cs=cs, inverse=inverse: compiled(_rope_real)(xs[i], cs, inverse))},
+                                 nbytes))
+            if heads and not inverse:           # the in-place serving form: only the rope dims move
+                x2 = xs[0].clone()
+                K.rope_(x2, freqs, inverse)
+                nb_in = 2 * S * heads * r * 2 + cs.numel() * 4
+                self.add(bf16_row("rope", "q_rope in place", _shape(*shape), x2, want),
+                         self._bench(lambda i, xs=xs, freqs=freqs, cs=cs, inverse=inverse: K.rope_(xs[i], freqs, inverse),
+                                     {"eager": _with_compiled(lambda i, xs=xs, freqs=freqs, cs=cs, inverse=inverse: _rope_inplace_torch(xs[i], cs, inverse),
+                                                              lambda i, xs=xs, freqs=freqs, cs=cs, inverse=inverse: compiled(_rope_inplace_torch)(
+                                                                  xs[i], cs, inverse))},
+                                     nb_in))
+
+    def check_nvfp4(self):
+        from dsv4debug.backends.sim import nvfp4_act_quant
+
+        from . import nvfp4 as K
+        cfg, S = self.cfg, self.S
+        n = cfg.dim
+        nbytes = S * n * 2 + S * n // 2 + S * n // 16
+        k = self.sets(nbytes)
+        xs = []
+        for _ in range(k):
+            x = torch.randn(S, n, device="cuda", generator=self.gen) \
+                * torch.exp(torch.randn(S, 1, device="cuda", generator=self.gen))
+            x[0, :32] = 0.0                     # zero blocks and a negative zero: the bs == 0 path
+            x[1, :16] = -0.0
+            x[2, 5] = 300.0                     # an outlier that sets the global scale
+            xs.append(x.to(torch.bfloat16))
+        qs = [K.quantize(x) for x in xs]
+        codes, scales, g = qs[0]
+        rc, rs, rg = K.reference_quantize(xs[0])
+        ok_c, dc = bits_equal(codes, rc)
+        ok_s, ds = bits_equal(scales, rs)
+        ok_g, _ = bits_equal(g, rg)
+        row = Row("nvfp4", "quantise codes+scales", _shape(S, n), "bit-identical to torch bit-level quantiser",
+                  ok_c and ok_s and ok_g, mismatches=dc + ds + (0 if ok_g else 1),
+                  note=f"codes {dc} / scales {ds} / global {'ok' if ok_g else 'differs'}")
+        self.add(row, self._bench(lambda i: K.quantize(xs[i]),
+                                  {"eager": _with_compiled(lambda i: K.reference_quantize(xs[i]),
+                                                           lambda i: compiled(K.reference_quantize)(xs[i]))},
+                                  nbytes))
+        got = K.dequantize(codes, scales, g)
+        self.add(exact_row("nvfp4", "dequantise", _shape(S, n), got, nvfp4_act_quant(xs[0]),
+                           "sim.nvfp4_act_quant"),
+                 self._bench(lambda i: K.dequantize(*qs[i]),
+                             {"eager": _with_compiled(lambda i: K.reference_dequantize(*qs[i]),
+                                                      lambda i: compiled(K.reference_dequantize)(*qs[i]))},
+                             nbytes))
+        self.add(exact_row("nvfp4", "round trip", _shape(S, n), K.act_quant(xs[0]), nvfp4_act_quant(xs[0]),
+                           "sim.nvfp4_act_quant"),
+                 self._bench(lambda i: K.act_quant(xs[i]),
+                             {"eager": _with_compiled(lambda i: nvfp4_act_quant(xs[i]),
+                                                      lambda i: compiled(nvfp4_act_quant)(xs[i]))},
+                             S * n * 2 * 2))
+
+
+    def check_kv(self):
+        import dsv4_references as ref
+
+        from . import kv_cache as K
+        cfg, S = self.cfg, self.S
+        d, r, bs = cfg.head_dim, cfg.rope_head_dim, 64
+        tb = K.token_bytes(d - r, r)
+        nbytes = S * d * 2 + S * tb
+        k = self.sets(nbytes)
+        xs = []
+        for _ in range(k):
+            kv = torch.randn(S, d, device="cuda", generator=self.gen) \
+                * torch.exp(torch.randn(S, 1, device="cuda", generator=self.gen))
+            kv[0, :64] = 0.0                    # amax below the 1e-4 clamp
+            kv[1, 64:128] *= 1e4                # scales above 1 (ue8m0 bytes >= 128)
+            xs.append(kv.to(torch.bfloat16))
+        nblocks = -(-S // bs)
+        cache = K.new_cache(nblocks + 3, bs, d - r, r)
+        perm = torch.randperm(nblocks + 3, device="cuda", generator=self.gen)[:nblocks]
+        pos = torch.arange(S, device="cuda")
+        slots = (perm[pos // bs] * bs + pos % bs).to(torch.int64)
+        K.write(xs[0], slots, cache, r)
+        flat = cache.view(-1, tb)
+        self.add(exact_row("kv_cache", "quantise + paged write", _shape(S, d), flat[slots],
+                           K.reference_pack(xs[0], r), "torch serving-layout packer"),
+                 self._bench(lambda i: K.write(xs[i], slots, cache, r),
+                             {"eager": _with_compiled(lambda i: flat.index_copy_(0, slots, K.reference_pack(xs[i], r)),
+                                                      lambda i: flat.index_copy_(0, slots, compiled(K.reference_pack)(
+                                                          xs[i], r)))},
+                             nbytes))
+        bt = perm.to(torch.int32).unsqueeze(0).contiguous()
+        lens = torch.tensor([S], dtype=torch.int32, device="cuda")
+        starts = torch.zeros(1, dtype=torch.int32, device="cuda")
+        out = torch.empty(S, d, dtype=torch.bfloat16, device="cuda")
+        K.read_into(cache, bt, lens, starts, out, S, r)
+        want = ref.kv_qat(xs[0], r)
+        self.add(exact_row("kv_cache", "paged read + dequantise", _shape(S, d), out, want, "kv_qat (fp8_sim)",
+                           cos_vs=xs[0], cos_bar=0.9997),
+                 self._bench(lambda i: K.read_into(cache, bt, lens, starts, out, S, r),
+                             {"eager": _with_compiled(lambda i: K.reference_unpack(flat[slots], r),
+                                                      lambda i: compiled(_gather_unpack)(flat, slots, r))},
+                             nbytes))
+        # the backend op: the whole serving round trip, against the reference's simulation
+        self.add(exact_row("kv_cache", "round trip (backend op)", _shape(S, d),
+                           K.round_trip(xs[0], r, bs)[0], want, "kv_qat (fp8_sim)", cos_vs=xs[0], cos_bar=0.9997),
+                 self._bench(lambda i: (K.write(xs[i], slots, cache, r),
+                                        K.read_into(cache, bt, lens, starts, out, S, r)),
+                             {"eager": _with_compiled(lambda i: ref.kv_qat(xs[i], r),
+                                                      lambda i: compiled(ref.kv_qat)(xs[i], r))},
+                             2 * nbytes))
+
+    def check_mhc(self):
+        import dsv4_references as ref
+
+        from . import mhc as K
+        cfg, S = self.cfg, self.S
+        M, D = cfg.hc_mult, cfg.dim
+        nmix = (2 + M) * M
+        iters, neps, heps = cfg.hc_sinkhorn_iters, cfg.norm_eps, cfg.hc_eps
+        g = self.gen
+        fn = torch.randn(nmix, M * D, device="cuda", generator=g) / math.sqrt(M * D)
+        scale = 1 + 0.05 * torch.randn(3, device="cuda", generator=g)
+        base = 0.01 * torch.randn(nmix, device="cuda", generator=g)
+        base[2 * M:] += 3 * torch.eye(M, device="cuda").flatten()
+        nbytes = S * M * D * 2 + S * D * 2 + S * (M + M * M) * 4
+        k = self.sets(nbytes)
+        xs = [_bf16((S, M, D), 1.0, g) for _ in range(k)]
+        y, post, comb = K.hc_pre(xs[0], fn, scale, base, iters, neps, heps)
+        wy, wpost, wcomb = ref.hc_pre(xs[0].float(), fn, scale, base, iters, neps, heps)
+        self.add(bf16_row("hc_pre", "y (weighted stream sum)", _shape(S, M, D), y, wy),
+                 self._bench(lambda i: K.hc_pre(xs[i], fn, scale, base, iters, neps, heps),
+                             {"eager": _with_compiled(lambda i: ref.hc_pre(xs[i], fn, scale, base, iters, neps, heps),
+                                                      lambda i: compiled(ref.hc_pre)(xs[i], fn, scale, base, iters,
+                                                                                     neps, heps))},
+                             nbytes))
+        self.add(abs_row("hc_pre", "post", _shape(S, M), post, wpost))
+        self.add(abs_row("hc_pre", "comb (Sinkhorn)", _shape(S, M, M), comb, wcomb))
+        mixes = K.hc_mixes(xs[0], fn, neps)
+        from dsv4_references.mhc import _mixes
+        wm = _mixes(xs[0].float(), fn, neps)
+        self.add(abs_row("hc_pre", "mixes (hc_mix kernel)", _shape(S, nmix), mixes, wm, tol=1e-4))
+        # hc_post
+        a_s = [_bf16((S, D), 1.0, g) for _ in range(k)]
+        nb_post = S * D * 2 + 2 * S * M * D * 2 + S * (M + M * M) * 4
+        got = K.hc_post(a_s[0], xs[0], wpost, wcomb)
+        self.add(bf16_row("hc_post", "new streams", _shape(S, M, D), got,
+                          ref.hc_post(a_s[0].float(), xs[0].float(), wpost, wcomb)),
+                 self._bench(lambda i: K.hc_post(a_s[i], xs[i], wpost, wcomb),
+                             {"eager": _with_compiled(lambda i: ref.hc_post(a_s[i], xs[i], wpost, wcomb),
+                                                      lambda i: compiled(ref.hc_post)(a_s[i], xs[i], wpost, wcomb))},
+                             nb_post))
+        # hc_head (ParallelHead): 4 mixes, sigmoid weights, no Sinkhorn
+        hfn = torch.randn(M, M * D, device="cuda", generator=g) / math.sqrt(M * D)
+        hscale = 1 + 0.05 * torch.randn(1, device="cuda", generator=g)
+        hbase = 0.01 * torch.randn(M, device="cuda", generator=g)
+        got = K.hc_head(xs[0], hfn, hscale, hbase, neps, heps)
+        self.add(bf16_row("hc_head", "y", _shape(S, M, D), got,
+                          ref.hc_head(xs[0].float(), hfn, hscale, hbase, neps, heps)),
+                 self._bench(lambda i: K.hc_head(xs[i], hfn, hscale, hbase, neps, heps),
+                             {"eager": _with_compiled(lambda i: ref.hc_head(xs[i], hfn, hscale, hbase, neps, heps),
+                                                      lambda i: compiled(ref.hc_head)(xs[i], hfn, hscale, hbase,
+                                                                                      neps, heps))},
+                             S * M * D * 2 + S * D * 2))
+
+
+def _with_compiled(eager, compiled_fn):
+    eager._compilable = compiled_fn
+    return eager
+
+
+def _rope_real(x, cs, inverse: bool):
+    """RoPE in real arithmetic (what torch.compile fuses best): x [S, ..., d], cs [S, r/2, 2]."""
+    r = 2 * cs.size(1)
+    shape = (cs.size(0),) + (1,) * (x.dim() - 2) + (cs.size(1),)
+    c, s = cs[..., 0].reshape(shape), cs[..., 1].reshape(shape)
+    s = -s if inverse else s
+    xr = x[..., -r:].float().unflatten(-1, (-1, 2))
+    a, b = xr[..., 0], xr[..., 1]
+    rot = torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-r], rot], -1)
+
+
+def _rope_inplace_torch(x, cs, inverse: bool):
+    r = 2 * cs.size(1)
+    x[..., -r:] = _rope_real(x[..., -r:], cs, inverse)
+    return x
+
+
+def _gather_unpack(flat, slots, rope):
+    from .kv_cache import reference_unpack
+    return reference_unpack(flat[slots], rope)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------------
+
+def environment() -> dict[str, Any]:
+    from importlib.metadata import version
+    info: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                            "python": platform.python_version(), "torch": torch.__version__,
+                            "cuda": torch.version.cuda}
+    try:
+        info["cutedsl"] = version("nvidia-cutlass-dsl")
+    except Exception:                               # noqa: BLE001
+        info["cutedsl"] = "unknown"
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info |= {"gpu": p.name, "sm": f"sm_{p.major}{p.minor}", "sms": p.multi_processor_count,
+                 "gpu_memory_gib": round(p.total_memory / 2 ** 30, 1)}
+    return info
+
+
+def run_checks(preset: str = "pro", seq: int | None = None, do_bench: bool = False,
+               compile_baselines: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+    from . import load_all
+    from ._common import _COMPILE_SECONDS
+    load_all()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    chk = Checker(preset, seq, do_bench, compile_baselines, log=log)
+    log(f"kernels check: preset {preset}, {chk.S} tokens, bench={do_bench}")
+    rows = chk.run()
+    return {"env": environment(), "preset": preset, "seq": chk.S, "bench": do_bench,
+            "copy_bandwidth": chk.copy, "seconds": round(chk.seconds, 1),
+            "compile_seconds": {f"{k[0]}[{','.join(f'{a}={b}' for a, b in k[1])}]@{k[2]}": round(v, 3)
+                                for k, v in _COMPILE_SECONDS.items()},
+            "passed": all(r.passed for r in rows), "rows": [r.as_dict() for r in rows]}
