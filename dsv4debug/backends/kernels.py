@@ -7,9 +7,13 @@ families to the reference explicitly (`--reference-ops`), which the report then 
 Implemented (kernels/ module): rms_norm, head_rms_norm (norm); rope (rope); kv_cache (kv_cache: the
 serving round trip quantise -> paged write -> paged read -> dequantise); hc_pre, hc_post, hc_head (mhc).
 Where an op chains a kernel with torch, it is said here: hc_pre/hc_head allocate outputs and upcast the
-small fp32 parameters with torch; kv_cache builds the block table and slot mapping with torch. Not
-implemented: embed, linear, grouped_linear, logits, compressor, indexer_*, sparse_attn, gate, expert,
-moe_combine. The kernels take bf16 activations (the serving dtype): the fp32/fp64 twins stay on the reference.
+small fp32 parameters with torch; kv_cache builds the block table and slot mapping with torch.
+linear (gemm_fp8, gemm_w4a16): FP8 weights -> per-1x128 FP8 activations and the block-scaled WGMMA GEMM;
+NVFP4/MXFP4 weights -> W4A16 (weights packed once per stage by kernels/w4_pack); bf16 weights have no kernel
+(the op raises). expert: NVFP4/MXFP4 experts -> fused w1|w3 W4A16 GEMM with the SwiGLU/clamp/routing-weight
+epilogue, then w2; FP8 experts (the shared expert) -> three FP8 linears with the SwiGLU in torch (said here).
+Not implemented: embed, grouped_linear, logits, compressor, indexer_*, sparse_attn, gate, moe_combine. The
+kernels take bf16 activations (the serving dtype): the fp32/fp64 twins stay on the reference.
 """
 from __future__ import annotations
 
@@ -29,6 +33,14 @@ def _load_kernels():
     return norm, rope, kv_cache, mhc
 
 
+def _load_gemm_kernels():
+    try:
+        from dsv4_kernels import gemm_fp8, gemm_w4a16, moe, w4_pack
+    except ImportError as e:            # CuTeDSL missing
+        raise BadInput(f"the kernels backend needs CuTeDSL (pip install 'dsv4debug[gpu]'): {e}") from None
+    return {"fp8": gemm_fp8, "w4": gemm_w4a16, "moe": moe, "pack": w4_pack}
+
+
 class KernelsBackend(Backend):
     name = "kernels"
     numerics = "quantized"
@@ -43,6 +55,8 @@ class KernelsBackend(Backend):
         if dtype != torch.bfloat16:
             raise BadInput(f"the kernels backend runs bf16 activations, not {dtype}")
         self._norm, self._rope, self._kv, self._mhc = _load_kernels()
+        self._gemm = _load_gemm_kernels()
+        self._packs: dict[tuple, object] = {}           # packed weights per QWeight, dropped at end_stage
         self._gen = torch.Generator().manual_seed(0)     # block order of the paged KV round trip
 
     @staticmethod
@@ -78,3 +92,71 @@ class KernelsBackend(Backend):
     def hc_head(self, x, fn, scale, base, *, norm_eps, hc_eps):
         return self._mhc.hc_head(self._bf16(x, "hc_head"), self.param(fn), self.param(scale), self.param(base),
                                  norm_eps, hc_eps)
+
+    # ---- GEMMs (kernels/gemm_fp8.py, kernels/gemm_w4a16.py)
+    def end_stage(self) -> None:
+        super().end_stage()
+        self._packs.clear()
+
+    def _packed(self, kind: str, *ws):
+        key = (kind,) + tuple(id(w) for w in ws)
+        p = self._packs.get(key)
+        if p is None:
+            dev = self.device
+            if kind == "fp8":
+                (w,) = ws
+                p = (w.tensors["weight"].to(dev).contiguous(), self._gemm["fp8"].weight_scales(w.tensors["scale"].to(dev)))
+            elif kind == "w4":
+                (w,) = ws
+                t = {k: v.to(dev) for k, v in w.tensors.items()}
+                if w.fmt == "mxfp4":
+                    from ..formats import mxfp4_to_nvfp4
+                    nv, _, lossy = mxfp4_to_nvfp4(t["weight"], t["scale"])
+                    if lossy:
+                        raise BadInput(f"{w.name}: the MXFP4 -> NVFP4 cast is lossy for {lossy} blocks")
+                    p = self._gemm["pack"].pack_nvfp4(*nv)
+                else:
+                    p = self._gemm["pack"].pack_nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"])
+            else:                                       # "expert": fused w1|w3 and w2 of one expert
+                moved = [type(w)(w.name, w.fmt, {k: v.to(dev) for k, v in w.tensors.items()}) for w in ws]
+                try:
+                    p = self._gemm["moe"].pack_expert(*moved)
+                except ValueError as e:
+                    raise BadInput(str(e)) from None
+            self._packs[key] = p
+        return p
+
+    def linear(self, x, w):
+        x = self._bf16(x, "linear")
+        if w.fmt == "fp8":
+            q, sb = self._packed("fp8", w)
+            return self._gemm["fp8"].fp8_linear(x, q, sb)
+        if w.fmt in ("nvfp4", "mxfp4"):
+            return self._gemm["w4"].w4a16_linear(x, self._packed("w4", w), w.shape[0])
+        raise BadInput(f"kernels backend op linear: no kernel for {w.fmt} weights ({w.name}); delegate the "
+                       "linear family to the reference (--reference-ops linear)")
+
+    def expert(self, x, w1, w3, w2, route_w, *, limit):
+        x = self._bf16(x, "expert")
+        if w1.fmt in ("nvfp4", "mxfp4"):
+            p13, p2 = self._packed("expert", w1, w3, w2)
+            W4 = self._gemm["w4"]
+            xc = x.contiguous()
+            n13 = p13[0].shape[1] * 64
+            cfg = {k: v for k, v in W4.pick_dense_config(xc.shape[0], n13, xc.shape[1]).items()
+                   if k in ("n_tok", "t_max", "tile_k")}  # the SwiGLU epilogue runs without split-K
+            rw = (route_w if route_w is not None else torch.ones(xc.shape[0], device=x.device)).float().contiguous()
+            h = W4.w4a16_launch(xc, p13, n13, route_w=rw, lim=limit, epilogue="swiglu", **cfg)
+            return W4.w4a16_linear(h, p2, p2[0].shape[1] * 64)
+        if w1.fmt == "fp8":
+            # three FP8 linears; the SwiGLU between them is torch (as dsv4_references.moe.expert computes it)
+            g = self.linear(x, w1).float()
+            u = self.linear(x, w3).float()
+            if limit > 0:
+                u = u.clamp(-limit, limit)
+                g = g.clamp(max=limit)
+            h = torch.nn.functional.silu(g) * u
+            if route_w is not None:
+                h = route_w.float().unsqueeze(-1) * h
+            return self.linear(h.to(x.dtype), w2)
+        raise BadInput(f"kernels backend op expert: no kernel for {w1.fmt} expert weights ({w1.name})")

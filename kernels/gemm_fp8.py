@@ -1,0 +1,306 @@
+"""FP8 linear for DeepSeek's FP8 weights on Hopper (sm_90a): e4m3 x e4m3 WGMMA with 128x128 block scales.
+
+y[m, n] = sum_kb sa[kb, m] * sb[n / 128, kb] * sum_{k in block kb} xq[m, k] * wq[n, k]   (bf16 out)
+
+- Activations: `fp8_act_quant` kernel, per 1 x 128 block: power-of-two scale s = 2**ceil(log2(amax / 448))
+  (amax clamped below at 1e-4), xq = e4m3(x / s) with saturation, exactly what the `sim` backend's
+  fp8_act_quant (dsv4_references.fp8_sim with block 128) computes, scales stored fp32 [K/128, M].
+- Weights: the checkpoint's e4m3 [N, K] as they are; the e8m0 block scales as fp32 [N/128, K/128].
+- GEMM: TMA tiles 128 x 128 x 128 (one K block per pipeline stage), producer warpgroup + two consumer
+  warpgroups (64 rows each), 4 WGMMA m64n128k32 per stage into a fresh fp32 accumulator which is then
+  promoted into the main fp32 accumulator times sa * sb (DeepGEMM's per-block promotion: Hopper's FP8 WGMMA
+  accumulates with reduced precision, so no product sum runs longer than one 128-wide block).
+  Scales are powers of two, so the promotion multiply is exact.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, cute, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ._common import KernelDef, bits_f32, f32_bits, fake_ptr, fake_stream, register
+
+SM90 = ("sm_90a",)
+SMEM_BYTES = 227 * 1024
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def fmax_nan(a: Float32, b: Float32) -> Float32:
+    return cute.arch.inline_ptx("max.NaN.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
+                                read_only_args=[a, b])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Activation quantisation (1 x 128 blocks, power-of-two scales)
+# --------------------------------------------------------------------------------------------------------
+
+class Fp8ActQuant:
+    """x bf16 [M, K] -> xq e4m3 [M, K], sa fp32 [K/128, M]; 16 threads per block, 8 elements a thread."""
+    threads = 256
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, q_ptr: cute.Pointer, s_ptr: cute.Pointer, m: Int32, k: Int32, stream):
+        nvec = m * (k // 8)
+        mX = cute.make_tensor(x_ptr, cute.make_layout((8, nvec), stride=(1, 8)))
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((8, nvec), stride=(1, 8)))
+        mS = cute.make_tensor(s_ptr, cute.make_layout((k // 128, m), stride=(m, 1)))
+        self.kernel(mX, mQ, mS, nvec, k).launch(grid=[cute.ceil_div(nvec, self.threads), 1, 1],
+                                                 block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, nvec: Int32, k: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        v = bidx * self.threads + tidx
+        vc = cutlass.min(v, nvec - 1)        # nvec is a multiple of 16: whole 16-lane groups are in or out
+        rX = cute.make_rmem_tensor(8, BFloat16)
+        cute.autovec_copy(mX[None, vc], rX)
+        x = rX.load().to(Float32)
+        amax = Float32(0.0)
+        for i in cutlass.range_constexpr(8):
+            amax = fmax_nan(amax, fmax_nan(x[i], -x[i]))
+        for off in cutlass.range_constexpr(4):
+            amax = fmax_nan(amax, cute.arch.shuffle_sync_bfly(amax, offset=8 >> off))
+        t = fmax_nan(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
+        tb = f32_bits(t)
+        te = (tb >> 23) & 0xFF
+        e = te - 127 + cutlass.select_((tb & 0x7FFFFF) != 0, Int32(1), Int32(0))
+        s = bits_f32((e + 127) << 23)
+        inv = bits_f32((127 - e) << 23)
+        if te == 255:                         # inf or NaN amax: scale inf/NaN, as torch's exp2(ceil(log2))
+            s = t
+            inv = Float32(0.0)                # inf block: x / inf = 0, inf / inf = NaN (x * 0 gives both)
+            if (tb & 0x7FFFFF) != 0:          # NaN block: every element NaN
+                inv = t
+        rQ = cute.make_rmem_tensor(8, Float8E4M3FN)
+        rQ.store((x * inv).to(Float8E4M3FN))          # cvt.rn.satfinite: the clamp to +-448 of the reference
+        if v < nvec:
+            cute.autovec_copy(rQ, mQ[None, v])
+            lane = cute.arch.lane_idx()
+            if lane % 16 == 0:
+                kpr = k // 8
+                row = v // kpr
+                kb = (v % kpr) // 16
+                mS[kb, row] = s
+
+
+def _build_quant():
+    return Fp8ActQuant(), (fake_ptr(BFloat16), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4), Int32(16),
+                           Int32(7168), fake_stream())
+
+
+register(KernelDef("fp8_act_quant", "linear", ("sm_90a", "sm_100a"), _build_quant, configs=({},),
+                   doc="bf16 -> e4m3 with a power-of-two scale per 1 x 128 (DeepSeek's act_quant)"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Block-scaled GEMM
+# --------------------------------------------------------------------------------------------------------
+
+class Fp8BlockGemm:
+    """xq e4m3 [M, K] (K-major), w e4m3 [N, K] (K-major), sa fp32 [K/128, M], sb fp32 [N/128, K/128] -> y bf16."""
+    threads = 384
+
+    def __init__(self, tile_n: int = 128):
+        if tile_n != 128:
+            raise ValueError("tile N must equal the weight block (128)")
+        self.tile_m, self.tile_n, self.tile_k = 128, tile_n, 128
+        stage_bytes = (self.tile_m + self.tile_n) * self.tile_k
+        self.stages = min(8, (SMEM_BYTES - 2048) // stage_bytes)
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, sa_ptr: cute.Pointer, sb_ptr: cute.Pointer,
+                 y_ptr: cute.Pointer, m: Int32, n: Int32, k: Int32, stream):
+        kb = k // 128
+        mA = cute.make_tensor(x_ptr, cute.make_layout((m, k), stride=(k, 1)))
+        mB = cute.make_tensor(w_ptr, cute.make_layout((n, k), stride=(k, 1)))
+        mSA = cute.make_tensor(sa_ptr, cute.make_layout((kb, m), stride=(m, 1)))
+        mSB = cute.make_tensor(sb_ptr, cute.make_layout((n // 128, kb), stride=(kb, 1)))
+        mY = cute.make_tensor(y_ptr, cute.make_layout((m, n), stride=(n, 1)))
+
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, Float8E4M3FN, self.tile_k),
+            Float8E4M3FN)
+        sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
+        sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
+        tma_a, mA_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
+                                                    cute.slice_(sA_layout, (None, None, 0)),
+                                                    (self.tile_m, self.tile_k))
+        tma_b, mB_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
+                                                    cute.slice_(sB_layout, (None, None, 0)),
+                                                    (self.tile_n, self.tile_k))
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            Float8E4M3FN, Float8E4M3FN, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (2, 1, 1), tiler_mn=(64, self.tile_n))
+
+        @cute.struct
+        class Storage:
+            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sB_layout)], 1024]
+
+        self.storage = Storage
+        self.tx_bytes = (self.tile_m + self.tile_n) * self.tile_k
+        # grid: x over N tiles (consecutive CTAs share the activation tile), y over M tiles
+        self.kernel(tma_a, mA_tma, tma_b, mB_tma, mSA, mSB, mY, tiled_mma, sA_layout, sB_layout, m, n, k).launch(
+            grid=[n // self.tile_n, cute.ceil_div(m, self.tile_m), 1], block=[self.threads, 1, 1],
+            min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+               mSA: cute.Tensor, mSB: cute.Tensor, mY: cute.Tensor, tiled_mma: cute.TiledMma,
+               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, m: Int32, n: Int32, k: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        k_tiles = k // self.tile_k
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(self.storage)
+        sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bars.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+            tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+
+        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (by, None))
+        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (bx, None))
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                           cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))
+
+        if warp < 4:
+            cute.arch.setmaxregister_decrease(40)
+            if warp == 0:
+                if lane == 0:
+                    cpasync.prefetch_descriptor(tma_a)
+                    cpasync.prefetch_descriptor(tma_b)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    pipe.producer_acquire(state)
+                    bar = pipe.producer_get_barrier(state)
+                    cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                    pipe.producer_commit(state)
+                    state.advance()
+                pipe.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(232)
+            ctid = tidx - 128
+            thr_mma = tiled_mma.get_slice(ctid)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            cC = cute.make_identity_tensor((self.tile_m, self.tile_n))
+            tCcC = thr_mma.partition_C(cC)
+            acc_shape = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
+            acc = cute.make_rmem_tensor(acc_shape, Float32)
+            tmp = cute.make_rmem_tensor(acc_shape, Float32)
+            acc.fill(0.0)
+            kblocks = cute.size(tCrA, mode=[2])
+            # this thread's two accumulator rows (r and r + 8)
+            r_lo, _ = tCcC[0]
+            r_hi, _ = tCcC[2]
+            row_lo = cutlass.min(by * self.tile_m + r_lo, m - 1)
+            row_hi = cutlass.min(by * self.tile_m + r_hi, m - 1)
+
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            for kt in cutlass.range(k_tiles, unroll=1):
+                sb = mSB[bx, kt]
+                s_lo = mSA[kt, row_lo] * sb
+                s_hi = mSA[kt, row_hi] * sb
+                pipe.consumer_wait(read)
+                warpgroup.fence()
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(kblocks):
+                    cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)],
+                              tmp)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                pipe.consumer_release(read)
+                read.advance()
+                for i4 in cutlass.range_constexpr(cute.size(acc) // 4):
+                    acc[i4 * 4 + 0] = acc[i4 * 4 + 0] + tmp[i4 * 4 + 0] * s_lo
+                    acc[i4 * 4 + 1] = acc[i4 * 4 + 1] + tmp[i4 * 4 + 1] * s_lo
+                    acc[i4 * 4 + 2] = acc[i4 * 4 + 2] + tmp[i4 * 4 + 2] * s_hi
+                    acc[i4 * 4 + 3] = acc[i4 * 4 + 3] + tmp[i4 * 4 + 3] * s_hi
+
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, c = tCcC[i]
+                row = by * self.tile_m + r
+                if row < m:
+                    mY[row, bx * self.tile_n + c] = acc[i].to(BFloat16)
+
+
+def _build_gemm():
+    return Fp8BlockGemm(), (fake_ptr(Float8E4M3FN), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4),
+                            fake_ptr(Float32, 4), fake_ptr(BFloat16), Int32(256), Int32(1536), Int32(7168),
+                            fake_stream())
+
+
+register(KernelDef("fp8_block_gemm", "linear", SM90, _build_gemm, configs=({},),
+                   doc="e4m3 x e4m3 WGMMA with 1x128 activation / 128x128 weight block scales, bf16 out"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Torch launchers
+# --------------------------------------------------------------------------------------------------------
+
+def fp8_act_quant(x):
+    """x bf16 [M, K] -> (xq e4m3 [M, K], sa fp32 [K/128, M]): the values sim.fp8_act_quant rounds to are
+    xq * sa (per 1 x 128 block)."""
+    import torch
+
+    from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr
+    m, k = x.shape
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or k % 128:
+        raise ValueError("fp8_act_quant takes contiguous bf16 [M, K] with K % 128 == 0")
+    check_numel(x)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(k // 128, m, dtype=torch.float32, device=x.device)
+    if m:
+        fn = compile_kernel("fp8_act_quant", device_arch(x.device))
+        fn(ptr(x), ptr(q), ptr(s, align=4), Int32(m), Int32(k), current_stream())
+    return q, s
+
+
+def weight_scales(scale):
+    """e8m0 block scales [N/128, K/128] -> fp32 (exact powers of two), the GEMM's sb."""
+    import torch
+    return scale.view(torch.float8_e8m0fnu).float().contiguous()
+
+
+def fp8_gemm(xq, sa, w, sb, out=None):
+    """xq e4m3 [M, K], sa fp32 [K/128, M], w e4m3 [N, K], sb fp32 [N/128, K/128] -> bf16 [M, N]."""
+    import torch
+
+    from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr
+    m, k = xq.shape
+    n = w.shape[0]
+    if w.shape[1] != k or n % 128 or k % 128:
+        raise ValueError(f"fp8 GEMM needs N % 128 == 0 and K % 128 == 0 (got N={n}, K={k})")
+    if sb.shape != (n // 128, k // 128) or sa.shape != (k // 128, m):
+        raise ValueError("fp8 GEMM scale shapes do not match the operands")
+    check_numel(xq, w)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=xq.device) if out is None else out
+    if m:
+        fn = compile_kernel("fp8_block_gemm", device_arch(xq.device))
+        fn(ptr(xq), ptr(w), ptr(sa, align=4), ptr(sb, align=4), ptr(out), Int32(m), Int32(n), Int32(k),
+           current_stream())
+    return out
+
+
+def fp8_linear(x, w, sb, out=None):
+    """x bf16 [..., K] @ (w e4m3 [N, K] with fp32 block scales sb [N/128, K/128])^T -> bf16 [..., N]:
+    activations quantised per 1 x 128 (the official act_quant), fp32 accumulation with per-block promotion."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    xq, sa = fp8_act_quant(x2)
+    y = fp8_gemm(xq, sa, w.contiguous(), sb, out)
+    return y.view(*shape[:-1], w.shape[0])

@@ -1,0 +1,512 @@
+"""NVFP4 weight x bf16 activation GEMM for Hopper (sm_90a): W4A16 with the weights decoded in registers.
+
+out[t, n] = sum_k x[t, k] * W[n, k], W = E2M1 * e4m3 block scale (per 16 along k) * fp32 global scale.
+
+Swap-AB WGMMA: the weight is the A operand (64 rows per warpgroup, register-sourced, `wgmma ... .bf16` with A
+from registers), the activations are B (tokens = WGMMA N, K-major in shared memory by TMA). The packed
+weights (kernels/w4_pack.py: nibbles in fragment order, 0.5 B/element + 1 B per 16) travel by bulk copies
+into shared memory in the same pipeline stages as the activation tiles; each consumer thread reads its 16
+bytes per 64-wide K chunk, turns every 32-bit word into four bf16x2 A registers with shift-and-mask code,
+multiplies them by the block scale in bf16 (exact), and issues the WGMMAs. The fp32 global scale (times
+2**7, see w4_pack) is applied in the epilogue. Decode of stage k+1 overlaps the WGMMAs of stage k (two A
+register buffers).
+
+CTA = 3 warpgroups: warpgroup 0 = producer (one warp issues TMA and bulk copies), warpgroups 1-2 = consumers,
+128 weight rows per CTA. Grid = (N / 128, work units, K splits).
+
+Work units:
+- dense: unit u = tokens [u * n_cta, u * n_cta + n_cta) of x [M, K]; expert 0.
+- grouped (MoE, one launch for all experts): units[u] = (expert, first row in x_sorted, row count), written by
+  kernels/moe.py from the routing on the device (no host synchronisation); rows of x_sorted are grouped by
+  expert; a unit never spans two experts. Units past units_count[0] exit at once.
+- n_cta = n_tok * t_max tokens per unit: the CTA decodes each weight tile once and runs it against up to
+  t_max token sub-tiles of n_tok (sub-tiles with no token of the unit are skipped).
+
+Epilogues:
+- "plain":  out[row, n] = bf16(acc * gscale[e])
+- "swiglu": rows interleaved by 8 (w4_pack.interleave_w13): a thread holds gate and up of the same column;
+            h[row, i] = bf16(silu(min(g, lim)) * clamp(u, -lim, lim) * route_w[row]) with g, u first
+            rounded to bf16 (as the reference computes F.linear in bf16), NaN-propagating min/max.
+Split-K (dense decode): each split writes fp32 partials to a workspace; the last CTA of a row tile (atomic
+ticket) sums the partials in split order (deterministic) and runs the epilogue; it resets its ticket.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr, cute, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.experimental import primitives as prims
+
+from ._common import KernelDef, fake_ptr, fake_stream, register
+
+SM90 = ("sm_90a",)
+SMEM_BYTES = 227 * 1024
+CHUNK_WORDS = 4 * 32 * 4          # uint32 words of one (64-row block, 64-wide K chunk) of the blob
+CHUNK_SBYTES = 4 * 8 * 8          # scale bytes of one (64-row block, chunk)
+SCALE_BIAS_BITS = (236 << 7) | (236 << 23)
+
+
+# --------------------------------------------------------------------------------------------------------
+# In-register helpers (inline PTX: exact instructions, no reliance on pattern matching)
+# --------------------------------------------------------------------------------------------------------
+
+def bf16x2_mul(a: Uint32, b: Uint32) -> Uint32:
+    return cute.arch.inline_ptx("mul.rn.bf16x2 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32],
+                                read_only_args=[a, b])
+
+
+def prmt(a: Uint32, b: Uint32, sel: int) -> Uint32:
+    return cute.arch.inline_ptx(f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {sel:#x};", write_only_types=[Uint32],
+                                read_only_args=[a, b])
+
+
+def fmin_nan(a: Float32, b: Float32) -> Float32:
+    return cute.arch.inline_ptx("min.NaN.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
+                                read_only_args=[a, b])
+
+
+def fmax_nan(a: Float32, b: Float32) -> Float32:
+    return cute.arch.inline_ptx("max.NaN.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
+                                read_only_args=[a, b])
+
+
+def ld_cg_f32(addr: Int64) -> Float32:
+    """L2-coherent load (the split-K partials written by other CTAs; never served from a stale L1 line)."""
+    return cute.arch.inline_ptx("ld.global.cg.f32 {$w0}, [{$r0}];", write_only_types=[Float32],
+                                read_only_args=[addr])
+
+
+def decode_word(w: Uint32, s_r: Uint32, s_r8: Uint32):
+    """One fragment word (8 codes) -> 4 bf16x2 A registers (a0a1, a2a3, a4a5, a6a7), block scale applied."""
+    m = Uint32(0x81C081C0)
+    o0 = (w << 6) & m
+    o1 = (w << 3) & m
+    o2 = w & m
+    o3 = ((w >> 4) & Uint32(0x00C000C0)) | ((w >> 5) & Uint32(0x01000100)) | ((w << 1) & Uint32(0x80008000))
+    return bf16x2_mul(o0, s_r), bf16x2_mul(o1, s_r8), bf16x2_mul(o2, s_r), bf16x2_mul(o3, s_r8)
+
+
+def scale_pair(sw: Uint32, byte: int) -> Uint32:
+    """Byte `byte` of a scale word (u code) -> bf16x2 (s * 2**119, s * 2**119)."""
+    dup = prmt(sw, Uint32(0), byte | (4 << 4) | (byte << 8) | (4 << 12))      # [u, 0, u, 0]
+    return (dup << 4) + Uint32(SCALE_BIAS_BITS)
+
+
+def silu(x: Float32) -> Float32:
+    return x / (Float32(1.0) + cute.math.exp(-x, fastmath=False))
+
+
+# --------------------------------------------------------------------------------------------------------
+# The kernel
+# --------------------------------------------------------------------------------------------------------
+
+class W4A16Gemm:
+    threads = 384
+
+    def __init__(self, n_tok: int, t_max: int = 1, grouped: bool = False, epilogue: str = "plain",
+                 split_k: bool = False, tile_k: int = 64, stages: int | None = None):
+        if n_tok % 8 or not 8 <= n_tok <= 256 or n_tok * t_max > 256:
+            raise ValueError("n_tok must be a multiple of 8 in [8, 256] and n_tok * t_max <= 256")
+        if epilogue not in ("plain", "swiglu"):
+            raise ValueError(f"unknown epilogue {epilogue}")
+        if split_k and (grouped or epilogue != "plain"):
+            raise ValueError("split-K is for dense plain GEMMs")
+        self.n_tok, self.t_max, self.grouped, self.epilogue, self.split_k = n_tok, t_max, grouped, epilogue, split_k
+        self.n_cta = n_tok * t_max
+        if tile_k not in (64, 128):
+            raise ValueError("tile_k must be 64 or 128")
+        self.tile_k = tile_k
+        self.chunks = self.tile_k // 64
+        self.kb = self.tile_k // 16                       # k16 blocks per stage
+        stage_bytes = self.n_cta * self.tile_k * 2 + 2 * self.chunks * (CHUNK_WORDS * 4 + CHUNK_SBYTES)
+        self.stages = stages or max(2, min(12, (SMEM_BYTES - 4096) // stage_bytes))
+        self.tx_bytes = stage_bytes
+
+    # ---- host side ----
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, blob_ptr: cute.Pointer, sblob_ptr: cute.Pointer, gs_ptr: cute.Pointer,
+                 out_ptr: cute.Pointer, rw_ptr: cute.Pointer, units_ptr: cute.Pointer, ucount_ptr: cute.Pointer,
+                 ws_ptr: cute.Pointer, ticket_ptr: cute.Pointer,
+                 rows: Int32, n: Int32, k: Int32, n_units: Int32, n_split: Int32, n_experts: Int32, lim: Float32,
+                 stream):
+        nb = n // 64
+        mX = cute.make_tensor(x_ptr, cute.make_layout((rows, k), stride=(k, 1)))
+        mBlob = cute.make_tensor(blob_ptr, cute.make_layout(CHUNK_WORDS))       # base pointers only: offsets
+        mS = cute.make_tensor(sblob_ptr, cute.make_layout(CHUNK_SBYTES))        # are 64-bit (E * N * K / 2)
+        mGs = cute.make_tensor(gs_ptr, cute.make_layout(n_experts))
+        n_out = n // 2 if const_expr(self.epilogue == "swiglu") else n
+        mOut = cute.make_tensor(out_ptr, cute.make_layout((rows, n_out), stride=(n_out, 1)))
+        mRw = cute.make_tensor(rw_ptr, cute.make_layout(rows))
+        mUnits = cute.make_tensor(units_ptr, cute.make_layout((3, n_units), stride=(1, 3)))
+        mUcount = cute.make_tensor(ucount_ptr, cute.make_layout(1))
+        mWs = cute.make_tensor(ws_ptr, cute.make_layout((rows, n, n_split), stride=(n, 1, rows * n)))
+        mTicket = cute.make_tensor(ticket_ptr, cute.make_layout((nb // 2, n_units)))
+
+        b_atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, BFloat16, self.tile_k), BFloat16)
+        sB_layout = cute.tile_to_shape(b_atom, (self.n_cta, self.tile_k, self.stages), order=(0, 1, 2))
+        tma_atom, mX_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(sB_layout, (None, None, 0)),
+            (self.n_cta, self.tile_k))
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (2, 1, 1), tiler_mn=(64, self.n_tok), a_source=warpgroup.OperandSource.RMEM)
+
+        @cute.struct
+        class Storage:
+            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            flag: cute.struct.MemRange[Int32, 4]
+            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[Uint32, self.stages * 2 * self.chunks * CHUNK_WORDS], 128]
+            sS: cute.struct.Align[cute.struct.MemRange[Uint32, self.stages * 2 * self.chunks * CHUNK_SBYTES // 4],
+                                  128]
+
+        self.storage = Storage
+        self.kernel(tma_atom, mX_tma, mBlob, mS, mGs, mOut, mRw, mUnits, mUcount, mWs, mTicket, tiled_mma,
+                    sB_layout, rows, n, k, n_split, lim).launch(
+            grid=[nb // 2, n_units, n_split], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+    # ---- device side ----
+
+    @cute.kernel
+    def kernel(self, tma_atom: cute.CopyAtom, mX: cute.Tensor, mBlob: cute.Tensor, mS: cute.Tensor,
+               mGs: cute.Tensor, mOut: cute.Tensor, mRw: cute.Tensor, mUnits: cute.Tensor, mUcount: cute.Tensor,
+               mWs: cute.Tensor, mTicket: cute.Tensor, tiled_mma: cute.TiledMma, sB_layout: cute.ComposedLayout,
+               rows: Int32, n: Int32, k: Int32, n_split: Int32, lim: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, bz = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        nb = n // 64
+        kc = k // 64
+
+        # ---- work unit ----
+        expert = Int32(0)
+        row0 = by * self.n_cta
+        cnt = cutlass.min(rows - row0, self.n_cta)
+        valid = Int32(1)
+        if const_expr(self.grouped):
+            valid = Int32(0)
+            if by < mUcount[0]:
+                valid = Int32(1)
+            uc = cutlass.min(by, mUnits.shape[1] - 1)
+            expert = mUnits[0, uc]
+            row0 = mUnits[1, uc]
+            cnt = mUnits[2, uc]
+        k_per_split = kc // n_split                      # chunks per split (host guarantees divisibility)
+        c_begin = bz * k_per_split
+        k_tiles = k_per_split // self.chunks
+
+        if valid != 0:
+            smem = cutlass.utils.SmemAllocator()
+            st = smem.allocate(self.storage)
+            sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+            sW = st.sW.get_tensor(cute.make_layout((4, 32, 4, self.chunks, 2, self.stages),
+                                                   stride=(1, 4, 128, CHUNK_WORDS, self.chunks * CHUNK_WORDS,
+                                                           2 * self.chunks * CHUNK_WORDS)))
+            sS = st.sS.get_tensor(cute.make_layout((2, 8, 4, self.chunks, 2, self.stages),
+                                                   stride=(1, 2, 16, CHUNK_SBYTES // 4,
+                                                           self.chunks * CHUNK_SBYTES // 4,
+                                                           2 * self.chunks * CHUNK_SBYTES // 4)))
+            pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=st.bars.data_ptr(), num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+                tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+
+            gX = cute.local_tile(cute.domain_offset((row0, c_begin * 64), mX), (self.n_cta, self.tile_k), (0, None))
+            tBsB, tBgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                               cute.group_modes(gX, 0, 2))
+
+            if warp < 4:
+                # ================= producer =================
+                cute.arch.setmaxregister_decrease(40)
+                if warp == 0:
+                    if lane == 0:
+                        cpasync.prefetch_descriptor(tma_atom)
+                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        pipe.producer_acquire(state)
+                        bar = pipe.producer_get_barrier(state)
+                        cute.copy(tma_atom, tBgX[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                        if lane == 0:
+                            for h in cutlass.range_constexpr(2):
+                                blk = Int64((expert * nb + bx * 2 + h) * kc + c_begin + kt * self.chunks)
+                                prims.cp_async_bulk_shared_cluster_global(
+                                    sW[(None, 0, 0, 0, h, state.index)].iterator,
+                                    mBlob.iterator + blk * CHUNK_WORDS, bar,
+                                    self.chunks * CHUNK_WORDS * 4)
+                                prims.cp_async_bulk_shared_cluster_global(
+                                    sS[(None, 0, 0, 0, h, state.index)].iterator,
+                                    mS.iterator + blk * CHUNK_SBYTES, bar,
+                                    self.chunks * CHUNK_SBYTES)
+                        pipe.producer_commit(state)
+                        state.advance()
+                    pipe.producer_tail(state)
+            else:
+                # ================= consumers =================
+                cute.arch.setmaxregister_increase(232)
+                ctid = tidx - 128
+                h = (warp - 4) // 4                        # consumer warpgroup = 64-row block
+                wq = warp % 4
+                g = lane // 4
+                thr_mma = tiled_mma.get_slice(ctid)
+                # one B fragment (V, 1, KB, STAGES) and one accumulator (V, 1, 1) per token sub-tile
+                tCrBs = [tiled_mma.make_fragment_B(thr_mma.partition_B(
+                    cute.local_tile(sB, (self.n_tok, self.tile_k, self.stages), (t, 0, 0))))
+                    for t in range(self.t_max)]
+                a_shape = thr_mma.partition_shape_A((128, self.tile_k))
+                fragA0 = tiled_mma.make_fragment_A(a_shape)
+                fragA1 = tiled_mma.make_fragment_A(a_shape)
+                accs = [cute.make_rmem_tensor(thr_mma.partition_shape_C((128, self.n_tok)), Float32)
+                        for _ in range(self.t_max)]
+                for t in cutlass.range_constexpr(self.t_max):
+                    accs[t].fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                n_sub = cutlass.min((cnt + self.n_tok - 1) // self.n_tok, self.t_max)
+
+                read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+
+                if k_tiles > 0:
+                    pipe.consumer_wait(read)
+                    self.decode_stage(sW, sS, read.index, fragA0, lane, wq, g, h)
+                    read.advance()
+                kt = Int32(0)
+                while kt < k_tiles:
+                    # even tile: frag0 feeds the WGMMAs while the next tile decodes into frag1
+                    self.mma_stage(tiled_mma, accs, fragA0, tCrBs, release.index, n_sub)
+                    if kt + 1 < k_tiles:
+                        pipe.consumer_wait(read)
+                        self.decode_stage(sW, sS, read.index, fragA1, lane, wq, g, h)
+                        read.advance()
+                    warpgroup.wait_group(0)
+                    pipe.consumer_release(release)
+                    release.advance()
+                    kt += 1
+                    if kt < k_tiles:
+                        self.mma_stage(tiled_mma, accs, fragA1, tCrBs, release.index, n_sub)
+                        if kt + 1 < k_tiles:
+                            pipe.consumer_wait(read)
+                            self.decode_stage(sW, sS, read.index, fragA0, lane, wq, g, h)
+                            read.advance()
+                        warpgroup.wait_group(0)
+                        pipe.consumer_release(release)
+                        release.advance()
+                        kt += 1
+
+                # ================= epilogue =================
+                gs = mGs[expert]
+                cC = cute.make_identity_tensor((128, self.n_tok))
+                tCcC = thr_mma.partition_C(cC)
+                if const_expr(self.split_k):
+                    self.epilogue_split(accs[0], tCcC, mWs, mTicket, mOut, st.flag.data_ptr(), gs, bx, by, bz,
+                                        row0, cnt, n, n_split, ctid)
+                else:
+                    for t in cutlass.range_constexpr(self.t_max):
+                        if t < n_sub:
+                            self.epilogue_direct(accs[t], tCcC, mOut, mRw, gs, lim, bx, row0 + t * self.n_tok,
+                                                 cnt - t * self.n_tok)
+
+    @cute.jit
+    def decode_stage(self, sW: cute.Tensor, sS: cute.Tensor, stage: Int32, frag: cute.Tensor, lane: Int32,
+                     wq: Int32, g: Int32, h: Int32):
+        fw = cute.recast_tensor(frag, Uint32)             # (4, 1, KB) words
+        for c in cutlass.range_constexpr(self.chunks):
+            rw = cute.make_rmem_tensor(4, Uint32)
+            cute.autovec_copy(sW[(None, lane, wq, c, h, stage)], rw)
+            rs = cute.make_rmem_tensor(2, Uint32)
+            cute.autovec_copy(sS[(None, g, wq, c, h, stage)], rs)
+            for j in cutlass.range_constexpr(4):
+                s_r = scale_pair(rs[j // 2], 2 * (j % 2))
+                s_r8 = scale_pair(rs[j // 2], 2 * (j % 2) + 1)
+                a01, a23, a45, a67 = decode_word(rw[j], s_r, s_r8)
+                kb = c * 4 + j
+                fw[0, 0, kb] = a01
+                fw[1, 0, kb] = a23
+                fw[2, 0, kb] = a45
+                fw[3, 0, kb] = a67
+
+    @cute.jit
+    def mma_stage(self, tiled_mma: cute.TiledMma, accs: list, frag: cute.Tensor, tCrBs: list,
+                  stage: Int32, n_sub: Int32):
+        warpgroup.fence()
+        for t in cutlass.range_constexpr(self.t_max):
+            if t < n_sub:
+                for kb in cutlass.range_constexpr(self.kb):
+                    cute.gemm(tiled_mma, accs[t], frag[(None, None, kb)], tCrBs[t][(None, None, kb, stage)],
+                              accs[t])
+        warpgroup.commit_group()
+
+    @cute.jit
+    def epilogue_direct(self, acc: cute.Tensor, tCcC: cute.Tensor, mOut: cute.Tensor, mRw: cute.Tensor,
+                        gs: Float32, lim: Float32, bx: Int32, row0: Int32, cnt: Int32):
+        if const_expr(self.epilogue == "plain"):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, c = tCcC[i]
+                if c < cnt:
+                    mOut[row0 + c, bx * 128 + r] = (acc[i] * gs).to(BFloat16)
+        else:
+            # value order per thread: (r, c), (r, c+1), (r+8, c), (r+8, c+1), then the next 8 columns
+            for i4 in cutlass.range_constexpr(cute.size(acc) // 4):
+                for d in cutlass.range_constexpr(2):
+                    i = i4 * 4 + d
+                    r, c = tCcC[i]
+                    if c < cnt:
+                        gate = (acc[i] * gs).to(BFloat16).to(Float32)
+                        up = (acc[i + 2] * gs).to(BFloat16).to(Float32)
+                        gate = fmin_nan(gate, lim)
+                        up = fmax_nan(fmin_nan(up, lim), -lim)
+                        hval = silu(gate) * up * mRw[row0 + c]
+                        col = (bx * 128 + r) // 16 * 8 + r % 8
+                        mOut[row0 + c, col] = hval.to(BFloat16)
+
+    @cute.jit
+    def epilogue_split(self, acc: cute.Tensor, tCcC: cute.Tensor, mWs: cute.Tensor, mTicket: cute.Tensor,
+                       mOut: cute.Tensor, flag_ptr: cute.Pointer, gs: Float32, bx: Int32, by: Int32, bz: Int32,
+                       row0: Int32,
+                       cnt: Int32, n: Int32, n_split: Int32, ctid: Int32):
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, c = tCcC[i]
+            if c < cnt:
+                mWs[row0 + c, bx * 128 + r, bz] = acc[i]
+        cute.arch.fence_acq_rel_gpu()
+        bar = pipeline.NamedBarrier(barrier_id=1, num_threads=256)
+        bar.arrive_and_wait()
+        flag = cute.make_tensor(flag_ptr, cute.make_layout(1))
+        if ctid == 0:
+            tk = by * (n // 128) + bx
+            old = cute.arch.atomic_add(mTicket.iterator + tk, Int32(1), sem="acq_rel", scope="gpu")
+            last = Int32(0)
+            if old == n_split - 1:
+                last = Int32(1)
+                mTicket[bx, by] = Int32(0)
+            flag[0] = last
+        bar.arrive_and_wait()
+        if flag[0] != 0:
+            cute.arch.fence_acq_rel_gpu()
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, c = tCcC[i]
+                if c < cnt:
+                    s = Float32(0.0)
+                    off = (row0 + c) * n + bx * 128 + r
+                    for z in cutlass.range(n_split, unroll=1):
+                        s += ld_cg_f32((mWs.iterator + (off + z * mWs.shape[0] * n)).toint())
+                    mOut[row0 + c, bx * 128 + r] = (s * gs).to(BFloat16)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Registry and launcher
+# --------------------------------------------------------------------------------------------------------
+
+def _build(n_tok: int, t_max: int = 1, grouped: bool = False, epilogue: str = "plain", split_k: bool = False,
+           tile_k: int = 64):
+    kern = W4A16Gemm(n_tok, t_max, grouped, epilogue, split_k, tile_k)
+    args = (fake_ptr(BFloat16), fake_ptr(Uint32), fake_ptr(Uint8, 16), fake_ptr(Float32, 4),
+            fake_ptr(BFloat16), fake_ptr(Float32, 4), fake_ptr(Int32, 4), fake_ptr(Int32, 4),
+            fake_ptr(Float32, 4), fake_ptr(Int32, 4),
+            Int32(16), Int32(3072), Int32(7168), Int32(1), Int32(1), Int32(1), Float32(10.0), fake_stream())
+    return kern, args
+
+
+W4_CONFIGS = (
+    {"n_tok": 16},                                              # dense decode (M <= 16)
+    {"n_tok": 16, "split_k": True},                                # dense decode, split-K
+    {"n_tok": 128, "t_max": 2},                                    # dense prefill
+    {"n_tok": 16, "grouped": True, "epilogue": "swiglu"},             # MoE decode w13
+    {"n_tok": 16, "grouped": True},                                # MoE decode w2
+    {"n_tok": 64, "t_max": 2, "grouped": True, "epilogue": "swiglu"},    # MoE prefill w13
+    {"n_tok": 64, "t_max": 2, "grouped": True},                       # MoE prefill w2
+)
+
+register(KernelDef(
+    "w4a16_gemm", "linear", SM90, _build, configs=W4_CONFIGS,
+    ci_configs=({"n_tok": 16, "split_k": True}, {"n_tok": 64, "t_max": 2, "grouped": True, "epilogue": "swiglu"}),
+    doc="NVFP4 x bf16 WGMMA GEMM, weights decoded in registers (swap-AB), dense/grouped, SwiGLU epilogue"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Torch launchers
+# --------------------------------------------------------------------------------------------------------
+
+_WS: dict = {}
+
+
+def _buffers(key, make):
+    buf = _WS.get(key)
+    if buf is None:
+        buf = _WS[key] = make()
+    return buf
+
+
+def pick_dense_config(m: int, n: int, k: int) -> dict:
+    """Kernel configuration for a dense W4A16 GEMM of m tokens (decode: split-K; prefill: wide token tiles)."""
+    if m <= 16:
+        kc = k // 64
+        tiles = n // 128
+        split = 1
+        for s in (16, 8, 4, 2):                         # aim at >= ~2 CTAs per SM, whole chunks per split
+            if kc % s == 0 and tiles * s <= 3 * 132 and kc // s >= 4:
+                split = s
+                break
+        return {"n_tok": 16, "split_k": split > 1, "split": split}
+    if m <= 64:
+        return {"n_tok": 64, "split": 1}
+    return {"n_tok": 128, "t_max": 2, "split": 1}
+
+
+def w4a16_launch(x, pack, n: int, *, out=None, route_w=None, units=None, unit_count=None, lim: float = 0.0,
+                 n_tok: int = 16, t_max: int = 1, grouped: bool = False, epilogue: str = "plain",
+                 split_k: bool = False, split: int = 1, tile_k: int = 64):
+    """Launch one W4A16 GEMM. x bf16 [rows, K] (grouped: rows sorted by expert), pack = (blob, sblob, gscale)
+    from w4_pack; returns out bf16 [rows, n] (swiglu: [rows, n/2])."""
+    import torch
+
+    from ._common import compile_kernel, current_stream, device_arch, ptr
+    blob, sblob, gscale = pack
+    rows, k = x.shape
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError("W4A16 takes contiguous bf16 activations")
+    if blob.shape[1] * 64 != n or blob.shape[2] * 64 != k:
+        raise ValueError(f"packed weight is {blob.shape[1] * 64}x{blob.shape[2] * 64}, GEMM asks {n}x{k}")
+    n_out = n // 2 if epilogue == "swiglu" else n
+    if out is None:
+        out = torch.empty(rows, n_out, dtype=torch.bfloat16, device=x.device)
+    if rows == 0:
+        return out
+    if (k // 64) % (split * (tile_k // 64)):
+        raise ValueError(f"split {split} x tile_k {tile_k} does not divide K = {k}")
+    n_cta = n_tok * t_max
+    if grouped:
+        n_units = units.shape[0]
+    else:
+        n_units = -(-rows // n_cta)
+        units = unit_count = torch.zeros(3, dtype=torch.int32, device=x.device)
+    cfg = {"n_tok": n_tok, "t_max": t_max, "grouped": grouped, "epilogue": epilogue, "split_k": split_k, "tile_k": tile_k}
+    fn = compile_kernel("w4a16_gemm", device_arch(x.device), **cfg)
+    if split_k:
+        ws = _buffers(("ws", x.device, rows, n, split),
+                      lambda: torch.empty(split, rows, n, dtype=torch.float32, device=x.device))
+        tickets = _buffers(("tk", x.device, n_units, n),
+                           lambda: torch.zeros(n_units * (n // 128), dtype=torch.int32, device=x.device))
+    else:
+        ws, tickets = gscale, units
+    rw = route_w if route_w is not None else gscale
+    fn(ptr(x), ptr(blob, cutlass.Uint32), ptr(sblob, cutlass.Uint8), ptr(gscale, align=4), ptr(out),
+       ptr(rw, cutlass.Float32, align=4), ptr(units, cutlass.Int32, align=4),
+       ptr(unit_count, cutlass.Int32, align=4), ptr(ws, cutlass.Float32, align=4),
+       ptr(tickets, cutlass.Int32, align=4), Int32(rows), Int32(n), Int32(k), Int32(n_units), Int32(split),
+       Int32(blob.shape[0]), Float32(lim if lim > 0 else float("inf")), current_stream())
+    return out
+
+
+def w4a16_linear(x, pack, n: int, config: dict | None = None, out=None):
+    """x [..., K] bf16 @ W^T for one packed NVFP4 weight W [n, K] -> [..., n] bf16 (dense)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    cfg = dict(config or pick_dense_config(x2.shape[0], n, shape[-1]))
+    y = w4a16_launch(x2, pack, n, out=out, **cfg)
+    return y.view(*shape[:-1], n)

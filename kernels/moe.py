@@ -1,0 +1,120 @@
+"""Routed experts of one MoE layer on Hopper: tokens grouped by expert, one W4A16 launch per GEMM for all
+experts (kernels/gemm_w4a16.py in grouped mode), SwiGLU with clamp and routing weight fused into the first
+GEMM's epilogue.
+
+    plan   = route_plan(topk_ids, n_experts, chunk)       # on the device, no host synchronisation
+    x_s    = x[plan.tok]                                   # rows grouped by expert
+    h      = W4A16_grouped(x_s, W13)  -> swiglu epilogue   # [P, I]   (w1/w3 rows interleaved by 8)
+    y_s    = W4A16_grouped(h, W2)                          # [P, D]
+    y      = sum over each token's experts in expert order (fp32), as dsv4_references.moe.moe_combine
+
+The work units (expert, first row, rows) are computed from the routing with torch ops on the device; the
+grid is sized by the static bound ceil(P / chunk) + E, and units past the real count exit at once, so the
+layer needs no host round trip (CUDA-graph capturable).
+
+Expert weights: NVFP4 (ModelOpt) packs directly; MXFP4 (the official checkpoint) is cast losslessly to
+NVFP4 at load (dsv4debug.formats.mxfp4_to_nvfp4: w1 and w3 share one global scale).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import w4_pack
+from .gemm_w4a16 import w4a16_launch
+
+
+@dataclass
+class RoutePlan:
+    tok: torch.Tensor          # [P] int64: token of each expert-sorted row
+    order: torch.Tensor        # [P] int64: flat (token, slot) index of each sorted row
+    units: torch.Tensor        # [U_max, 3] int32: (expert, first row, rows)
+    ucount: torch.Tensor       # [1] int32: number of valid units
+    chunk: int
+
+
+def route_plan(topk_ids: torch.Tensor, n_experts: int, chunk: int) -> RoutePlan:
+    """Sort (token, slot) pairs by expert (stable: token order within an expert) and cut work units."""
+    k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).long()
+    P = ids.numel()
+    order = torch.argsort(ids, stable=True)
+    tok = order // k
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+    seg = torch.cumsum(counts, 0) - counts
+    nu = (counts + chunk - 1) // chunk
+    ucum = torch.cumsum(nu, 0)
+    u_max = -(-P // chunk) + n_experts
+    u = torch.arange(u_max, device=ids.device)
+    e = torch.searchsorted(ucum, u, right=True).clamp(max=n_experts - 1)
+    j = u - (ucum[e] - nu[e])
+    row0 = seg[e] + j * chunk
+    cnt = (counts[e] - j * chunk).clamp(min=0, max=chunk)
+    units = torch.stack([e, row0, cnt], dim=1).to(torch.int32).contiguous()
+    ucount = ucum[-1:].to(torch.int32)
+    return RoutePlan(tok, order, units, ucount, chunk)
+
+
+def pick_grouped_config(pairs: int, n_experts: int) -> dict:
+    """Decode-sized groups (a few tokens per expert) stream weights; prefill groups fill 64-token sub-tiles."""
+    if pairs <= 16 * n_experts:
+        return {"n_tok": 16, "t_max": 1, "tile_k": 64}
+    return {"n_tok": 64, "t_max": 2, "tile_k": 128}
+
+
+def moe_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, w13, w2, n_experts: int,
+               limit: float, config: dict | None = None, config2: dict | None = None) -> torch.Tensor:
+    """Sum of the routed experts' outputs per token, fp32 [T, D] (the shared expert is added by the caller).
+
+    x bf16 [T, D]; topk_ids [T, k]; topk_w fp32 [T, k]; w13 / w2 stacked packs (w4_pack.stack_packed) of the
+    interleaved gate/up [E, 2I, D] and down [E, D, I] projections.
+    """
+    T, D = x.shape
+    k = topk_ids.shape[1]
+    inter2 = w13[0].shape[1] * 64
+    # each token's experts in increasing id: the fp32 sum below then runs in the reference's order
+    topk_ids, perm = topk_ids.sort(dim=1)
+    topk_w = topk_w.gather(1, perm).float()
+    cfg = dict(config or pick_grouped_config(T * k, n_experts))
+    plan = route_plan(topk_ids, n_experts, cfg["n_tok"] * cfg.get("t_max", 1))
+    xs = x.index_select(0, plan.tok).contiguous()
+    rw = topk_w.reshape(-1).index_select(0, plan.order).contiguous()
+    h = w4a16_launch(xs, w13, inter2, route_w=rw, units=plan.units, unit_count=plan.ucount, lim=limit,
+                     grouped=True, epilogue="swiglu", **cfg)
+    cfg2 = dict(config2 or cfg)
+    if cfg2["n_tok"] * cfg2.get("t_max", 1) != plan.chunk:
+        raise ValueError("both grouped GEMMs of a layer use the same work units (same n_tok * t_max)")
+    ys = w4a16_launch(h, w2, D, units=plan.units, unit_count=plan.ucount, grouped=True, **cfg2)
+    inv = torch.empty_like(plan.order)
+    inv[plan.order] = torch.arange(plan.order.numel(), device=x.device)
+    yt = ys.index_select(0, inv).view(T, k, D)
+    y = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    for j in range(k):
+        y += yt[:, j].float()
+    return y
+
+
+def pack_expert(w1, w3, w2):
+    """One expert's QWeights (NVFP4 or MXFP4) -> (w13 pack, w2 pack) for the grouped kernels."""
+    fmt = w1.fmt
+    if fmt == "nvfp4":
+        t1, t3, t2 = w1.tensors, w3.tensors, w2.tensors
+        if not torch.equal(t1["weight_scale_2"].float(), t3["weight_scale_2"].float()):
+            raise ValueError(f"{w1.name} and {w3.name} have different weight_scale_2: the fused w13 kernel "
+                             "needs one global scale per expert")
+        p13 = w4_pack.pack_nvfp4_w13(t1["weight"], t1["weight_scale"], t3["weight"], t3["weight_scale"],
+                                     t1["weight_scale_2"])
+        p2 = w4_pack.pack_nvfp4(t2["weight"], t2["weight_scale"], t2["weight_scale_2"])
+        return p13, p2
+    if fmt == "mxfp4":
+        from dsv4debug.formats import mxfp4_to_nvfp4
+        nv1, nv3, lossy = mxfp4_to_nvfp4(w1.tensors["weight"], w1.tensors["scale"], w3.tensors["weight"],
+                                         w3.tensors["scale"])
+        nv2, _, lossy2 = mxfp4_to_nvfp4(w2.tensors["weight"], w2.tensors["scale"])
+        if lossy or lossy2:
+            raise ValueError(f"{w1.name}: MXFP4 -> NVFP4 cast is lossy for {lossy + lossy2} blocks")
+        p13 = w4_pack.pack_nvfp4_w13(nv1[0], nv1[1], nv3[0], nv3[1], nv1[2])
+        p2 = w4_pack.pack_nvfp4(*nv2)
+        return p13, p2
+    raise ValueError(f"{w1.name}: W4A16 experts take NVFP4 or MXFP4 weights, not {fmt}")
