@@ -89,11 +89,12 @@ def _tokenize(path: Path, prompt: str) -> list[int]:
 class ReferenceOutput:
     logits: torch.Tensor                                   # [S, vocab] fp32 (fp64 in the fp64 run)
     sites: dict[str, torch.Tensor] = field(default_factory=dict)
+    mtp_logits: torch.Tensor | None = None                 # [S, vocab] draft of token t+2 (mtp=True)
 
 
 def reference(model: Checkpoint, token_ids: torch.Tensor, dtype: str | torch.dtype = "bf16",
               device: str = "cpu", qat: bool = True, keep_sites: str | None = None, stream: bool = True,
-              backend: str = "reference", faults: list[str] | None = None,
+              backend: str = "reference", faults: list[str] | None = None, mtp: bool = False,
               progress: Callable[[str, int, int], None] | None = None) -> ReferenceOutput:
     """One forward of `backend` (the reference by default) with layer streaming.
 
@@ -110,14 +111,14 @@ def reference(model: Checkpoint, token_ids: torch.Tensor, dtype: str | torch.dty
 
     ex = Executor(side, (), keep if keep_sites else None)
     state = State(token_ids.to(device))
-    all_stages = stages(model.config, token_ids.numel(), device, qat)
+    all_stages = stages(model.config, token_ids.numel(), device, qat, mtp=mtp)
     for n, stage in enumerate(all_stages):
         if progress:
             progress(stage.name, n, len(all_stages))
         state = stage.run(ex, state)
         if stream:
             ex.end_stage()
-    return ReferenceOutput(state.h, kept)
+    return ReferenceOutput(state.h, kept, state.mtp_logits)
 
 
 def run(model: Checkpoint, token_ids: torch.Tensor, candidate: str = "sim", reference_backend: str = "reference",

@@ -36,6 +36,8 @@ class State:
     """What travels between stages: the token ids and the hidden streams (or logits at the end)."""
     token_ids: torch.Tensor                 # [S] int64
     h: torch.Tensor | None = None           # [S, M, D] streams, or [S, vocab] logits after the head
+    streams: torch.Tensor | None = None     # after the head: the main model's last streams (the MTP's input)
+    mtp_logits: torch.Tensor | None = None  # [S, vocab] after the MTP stage
 
 
 @dataclass(frozen=True)
@@ -153,8 +155,8 @@ def block(ctx: Ctx, cfg: ModelConfig, layer: int, h: torch.Tensor, token_ids: to
 
 
 def stages(cfg: ModelConfig, seqlen: int, device: torch.device | str = "cpu", qat: bool = True,
-           layers: range | None = None) -> list[Stage]:
-    """The forward as stages: embed, the main layers (or a range of them), head."""
+           layers: range | None = None, mtp: bool = False) -> list[Stage]:
+    """The forward as stages: embed, the main layers (or a range of them), head, and optionally the MTP."""
     tables = RopeTables(cfg, seqlen, device)
     layers = range(cfg.n_layers) if layers is None else layers
 
@@ -171,7 +173,29 @@ def stages(cfg: ModelConfig, seqlen: int, device: torch.device | str = "cpu", qa
         y = ctx("hc_head", "hc_head", st.h, W("hc_head_fn"), W("hc_head_scale"), W("hc_head_base"),
                 norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps)                                # [S, D]
         y = ctx("norm", "rms_norm", y, W("norm.weight"), eps=cfg.norm_eps)
-        return State(st.token_ids, ctx("logits", "logits", y, W("head.weight")))          # [S, vocab] fp32
+        return State(st.token_ids, ctx("logits", "logits", y, W("head.weight")), st.h)     # [S, vocab] fp32
 
-    return ([Stage("embed", -1, embed, ("embed.",))] + [layer_stage(i) for i in layers]
-            + [Stage("head", cfg.n_layers, head, ("hc_head_", "norm.", "head."))])
+    out = ([Stage("embed", -1, embed, ("embed.",))] + [layer_stage(i) for i in layers]
+           + [Stage("head", cfg.n_layers, head, ("hc_head_", "norm.", "head."))])
+    if mtp:
+        out.append(Stage("mtp.0", cfg.n_layers + 1,
+                         lambda ctx, st: mtp_block(ctx, cfg, st, tables.for_layer(cfg, cfg.n_layers), qat),
+                         ("mtp.0.", "embed.", "head.")))
+    return out
+
+
+def mtp_block(ctx: Ctx, cfg: ModelConfig, st: State, freqs: torch.Tensor, qat: bool) -> State:
+    """The multi-token-prediction block (MTPBlock): drafts token t+2 from the main streams at t and the
+    embedding of token t+1 (the last position repeats its own token). Shares embed and head."""
+    layer, p, eps = cfg.n_layers, block_prefix(cfg, cfg.n_layers), cfg.norm_eps
+    nxt = torch.cat([st.token_ids[1:], st.token_ids[-1:]])                               # [S]
+    e = ctx(p + "embed", "embed", nxt, W("embed.weight"))                                # [S, D]
+    e = ctx(p + "enorm", "rms_norm", e, W(p + "enorm.weight"), eps=eps)
+    x = ctx(p + "hnorm", "rms_norm", st.streams, W(p + "hnorm.weight"), eps=eps)         # [S, M, D]
+    x = ctx(p + "e_proj", "linear", e, W(p + "e_proj")).unsqueeze(1) + ctx(p + "h_proj", "linear", x,
+                                                                            W(p + "h_proj"))
+    h = block(ctx, cfg, layer, x, nxt, freqs, qat)
+    y = ctx(p + "hc_head", "hc_head", h, W(p + "hc_head_fn"), W(p + "hc_head_scale"), W(p + "hc_head_base"),
+            norm_eps=eps, hc_eps=cfg.hc_eps)
+    y = ctx(p + "norm", "rms_norm", y, W(p + "norm.weight"), eps=eps)
+    return State(st.token_ids, st.h, st.streams, ctx(p + "logits", "logits", y, W("head.weight")))

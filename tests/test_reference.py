@@ -150,3 +150,15 @@ def test_fp8_sim_and_fp4_sim_match_hand_computed_values():
     h = ref.rotate_activation(torch.eye(4, dtype=torch.float64))
     assert torch.allclose(h @ h.T, torch.eye(4, dtype=torch.float64))
     assert math.isclose(float(h[0, 0]), 0.5)
+
+
+def test_mtp_block_drafts_from_the_next_token_causally(tiny, tokens):
+    out = dd.reference(tiny, tokens[:48], mtp=True, keep_sites="mtp.0.*")
+    assert out.mtp_logits.shape == out.logits.shape and torch.isfinite(out.mtp_logits).all()
+    assert {"mtp.0.e_proj", "mtp.0.h_proj", "mtp.0.attn.sparse_attn", "mtp.0.logits"} <= set(out.sites)
+    j = 30
+    changed = tokens[:48].clone()
+    changed[j] = (changed[j] + 1) % tiny.config.vocab_size
+    other = dd.reference(tiny, changed, mtp=True)
+    assert torch.equal(other.mtp_logits[:j - 1], out.mtp_logits[:j - 1])     # position t reads token t+1
+    assert not torch.equal(other.mtp_logits[j - 1], out.mtp_logits[j - 1])
