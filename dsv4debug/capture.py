@@ -33,10 +33,9 @@ from . import __version__
 from .errors import BadInput
 from .h5chunks import (
     HASH_NAME,
-    chunk_at,
     chunk_shape,
     content_hash,
-    encode_chunk,
+    encode_chunks,
     from_storage,
     source_array,
     storage_array,
@@ -57,6 +56,7 @@ FORMAT = "dsv4debug-capture"
 FORMAT_VERSION = 1
 TMP_SUFFIX = ".tmp"
 COMPRESSIONS = ("fast", "small")
+TASK_BYTES = 4 << 20            # stored bytes encoded per worker task: few tasks, few GIL hand-offs
 _STR = h5py.string_dtype()
 
 # (name, type, meaning): the documented attributes, printed by --doc into captures/README.md.
@@ -270,7 +270,7 @@ class _Encoded:
     dtype: np.dtype | None = None              # dataset dtype
     small: np.ndarray | None = None            # scalar or empty tensor, written without chunks
     chunk: tuple[int, ...] | None = None
-    chunks: list[tuple[tuple[int, ...], Future]] = field(default_factory=list)
+    chunks: list[tuple[list[tuple[int, ...]], Future]] = field(default_factory=list)   # (origins, task)
     hash: Future | None = None
 
 
@@ -476,9 +476,12 @@ class CaptureWriter:
         if arr.ndim == 0 or arr.size == 0:
             return _Encoded(job, stats, dtype, small=storage_array(job.data), hash=digest)
         chunk = chunk_shape(arr.shape, dtype.itemsize)
-        chunks = [(origin, self._pool.submit(encode_chunk, chunk_at(arr, origin, chunk), self.compression, widen))
-                  for origin in itertools.product(*[range(0, s, c) for s, c in zip(arr.shape, chunk)])]
-        return _Encoded(job, stats, dtype, chunk=chunk, chunks=chunks, hash=digest)
+        origins = list(itertools.product(*[range(0, s, c) for s, c in zip(arr.shape, chunk)]))
+        per_task = max(1, TASK_BYTES // (int(np.prod(chunk)) * dtype.itemsize))
+        batches = [origins[i:i + per_task] for i in range(0, len(origins), per_task)]
+        tasks = [(batch, self._pool.submit(encode_chunks, arr, batch, chunk, self.compression, widen))
+                 for batch in batches]
+        return _Encoded(job, stats, dtype, chunk=chunk, chunks=tasks, hash=digest)
 
     def _write_loop(self) -> None:
         while (item := self._write_q.get()) is not None:
@@ -510,8 +513,9 @@ class CaptureWriter:
         else:
             dset = tensors.create_dataset(job.row["site"], shape=job.data.shape, dtype=enc.dtype, chunks=enc.chunk,
                                           shuffle=True, compression="gzip", compression_opts=1)
-            for origin, encoded in enc.chunks:
-                dset.id.write_direct_chunk(origin, encoded.result())
+            for origins, encoded in enc.chunks:
+                for origin, data in zip(origins, encoded.result()):
+                    dset.id.write_direct_chunk(origin, data)
         dset.attrs["dtype"] = dtype_name(job.dtype)
         dset.attrs["hash"] = enc.hash.result()
         if job.token_slice is not None:

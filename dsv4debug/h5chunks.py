@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import struct
 import zlib
 from collections.abc import Sequence
@@ -35,13 +36,23 @@ def _adler32_of_zeros(adler: int, n: int) -> int:
     return (((high + n * low) % _ADLER_MOD) << 16) | low
 
 
-def _stored_blocks(data: np.ndarray) -> list:
-    view = memoryview(data).cast("B")
-    parts = []
-    for i in range(0, len(view), 0xFFFF):
-        piece = view[i:i + 0xFFFF]
-        parts += [struct.pack("<BHH", 0, len(piece), len(piece) ^ 0xFFFF), piece]
-    return parts
+_STORED_BLOCK = 0xFFFF
+_FULL_BLOCK_HEADER = np.frombuffer(struct.pack("<BHH", 0, _STORED_BLOCK, 0), dtype=np.uint8)
+
+
+def _stored_blocks(data: np.ndarray) -> np.ndarray:
+    """data as deflate stored blocks, built with a handful of numpy calls (each releases the GIL)."""
+    full, rest = divmod(data.size, _STORED_BLOCK)
+    out = np.empty(data.size + 5 * (full + (rest > 0)), dtype=np.uint8)
+    if full:
+        blocks = out[:full * (_STORED_BLOCK + 5)].reshape(full, _STORED_BLOCK + 5)
+        blocks[:, :5] = _FULL_BLOCK_HEADER
+        blocks[:, 5:] = data[:full * _STORED_BLOCK].reshape(full, _STORED_BLOCK)
+    if rest:
+        tail = out[full * (_STORED_BLOCK + 5):]
+        tail[:5] = np.frombuffer(struct.pack("<BHH", 0, rest, rest ^ 0xFFFF), dtype=np.uint8)
+        tail[5:] = data[full * _STORED_BLOCK:]
+    return out
 
 
 def _huffman_deflate(data: np.ndarray) -> bytes:
@@ -49,31 +60,62 @@ def _huffman_deflate(data: np.ndarray) -> bytes:
     return c.compress(data) + c.flush(zlib.Z_SYNC_FLUSH)
 
 
-def shuffled_planes(chunk: np.ndarray, widen_bf16: bool = False) -> list[np.ndarray | int]:
-    """HDF5's shuffle of a chunk as byte planes. widen_bf16: the chunk holds bf16 bits (uint16) that the
-    dataset stores as float32, whose two low byte planes are zero (an int n stands for n zero bytes)."""
-    planes = list(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1, chunk.itemsize).T.copy())
-    return [chunk.size, chunk.size, *planes] if widen_bf16 else planes
+def shuffled(chunk: np.ndarray, widen_bf16: bool = False) -> tuple[np.ndarray, int]:
+    """(HDF5's shuffle of a chunk as one contiguous byte array, number of leading zero bytes not in it).
+
+    widen_bf16: the chunk holds bf16 bits (uint16) that the dataset stores as float32, whose two low byte
+    planes are zero: they are not materialised.
+    """
+    data = np.ascontiguousarray(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1, chunk.itemsize).T)
+    return data.reshape(-1), 2 * chunk.size if widen_bf16 else 0
 
 
-def encode_planes(planes: Sequence[np.ndarray | int], compression: str) -> bytes:
-    """The zlib stream of the concatenated planes, for write_direct_chunk under filters [shuffle, deflate]."""
-    parts, adler = [_ZLIB_HEADER], 1
-    for plane in planes:
-        if isinstance(plane, int) or not plane.any():
-            n = plane if isinstance(plane, int) else plane.size
-            parts.append(_zero_plane_deflate(n))
-            adler = _adler32_of_zeros(adler, n)
+def encode_shuffled(data: np.ndarray, zeros: int, plane: int, compression: str) -> np.ndarray:
+    """The zlib stream of `zeros` zero bytes then `data` (planes of `plane` bytes), for write_direct_chunk
+    under filters [shuffle, deflate]. All-zero planes become a few bytes; "fast" keeps the others as stored
+    blocks, "small" Huffman-codes them."""
+    nonzero = data.reshape(-1, plane).any(axis=1) if data.size else np.zeros(0, dtype=bool)
+    parts = [np.frombuffer(_ZLIB_HEADER, dtype=np.uint8)]
+    adler = _adler32_of_zeros(1, zeros)
+    if zeros:
+        parts.append(np.frombuffer(_zero_plane_deflate(zeros), dtype=np.uint8))
+    for start, stop, is_data in _runs(nonzero):
+        span = data[start * plane:stop * plane]
+        if not is_data:
+            parts.append(np.frombuffer(_zero_plane_deflate(span.size), dtype=np.uint8))
+            adler = _adler32_of_zeros(adler, span.size)
             continue
-        adler = zlib.adler32(plane, adler)
-        packed = _huffman_deflate(plane) if compression == "small" else None
-        parts += [packed] if packed is not None and len(packed) < plane.size else _stored_blocks(plane)
-    parts += [_FINAL_EMPTY_BLOCK, struct.pack(">I", adler)]
-    return b"".join(parts)
+        adler = zlib.adler32(span, adler)
+        parts += [_small(span, plane) if compression == "small" else _stored_blocks(span)]
+    parts += [np.frombuffer(_FINAL_EMPTY_BLOCK + struct.pack(">I", adler), dtype=np.uint8)]
+    return np.concatenate(parts)
 
 
-def encode_chunk(region: np.ndarray, compression: str, widen_bf16: bool) -> bytes:
-    return encode_planes(shuffled_planes(region, widen_bf16), compression)
+def _runs(flags: np.ndarray) -> list[tuple[int, int, bool]]:
+    """Maximal runs of equal flags as (start, stop, flag)."""
+    edges = [0, *(np.flatnonzero(flags[1:] != flags[:-1]) + 1).tolist(), flags.size]
+    return [(a, b, bool(flags[a])) for a, b in itertools.pairwise(edges) if b > a]
+
+
+def _small(span: np.ndarray, plane: int) -> np.ndarray:
+    """Huffman-coded planes, each kept stored where coding does not shrink it."""
+    parts = []
+    for i in range(0, span.size, plane):
+        packed = _huffman_deflate(span[i:i + plane])
+        parts.append(np.frombuffer(packed, dtype=np.uint8) if len(packed) < plane else
+                     _stored_blocks(span[i:i + plane]))
+    return np.concatenate(parts)
+
+
+def encode_chunks(arr: np.ndarray, origins: Sequence[tuple[int, ...]], chunk: tuple[int, ...], compression: str,
+                  widen_bf16: bool) -> list[np.ndarray]:
+    """Encoded chunks of arr at origins: one worker task covers several chunks, so fewer GIL hand-offs."""
+    out = []
+    for origin in origins:
+        region = chunk_at(arr, origin, chunk)
+        data, zeros = shuffled(region, widen_bf16)
+        out.append(encode_shuffled(data, zeros, region.size, compression))
+    return out
 
 
 def chunk_shape(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:

@@ -40,7 +40,7 @@ def _device_partials(chunk: torch.Tensor) -> torch.Tensor:
     first_bad = torch.where(n_finite == x.numel(), -1, (~finite).to(torch.uint8).argmax())
     return torch.stack([x.isnan().sum(dtype=torch.float64), n_finite,
                         torch.where(finite, x, torch.inf).amin(), torch.where(finite, x, -torch.inf).amax(),
-                        kept.sum(), torch.dot(kept, kept), first_bad.double()])
+                        kept.sum(), (kept * kept).sum(), first_bad.double()])   # no cuBLAS dot: it may sync
 
 
 _EMPTY = [0, 0, math.nan, math.nan, math.nan, math.nan, math.nan, 0, -1]

@@ -24,7 +24,7 @@ from dsv4debug.capture import (
     chunk_shape,
     )
 from dsv4debug.errors import BadInput
-from dsv4debug.h5chunks import encode_planes, shuffled_planes
+from dsv4debug.h5chunks import encode_shuffled, shuffled
 
 T = 12
 
@@ -163,17 +163,21 @@ def test_plain_h5py_reads_stored_tensors_and_hash(tmp_path):
             assert f.attrs["format_version"] == FORMAT_VERSION
 
 
-def test_encoded_planes_decode_with_zlib_and_unshuffle():
+def test_encoded_chunks_decode_with_zlib_and_unshuffle():
     import zlib
     chunk = np.random.default_rng(0).standard_normal((64, 100)).astype(np.float32)
     chunk[:, :50] = 0       # all-zero byte planes in part of the data
+    ids = np.arange(300, dtype=np.int64).reshape(3, 100)          # zero high byte planes between data planes
     bf16_bits = torch.from_numpy(chunk).bfloat16().view(torch.int16).numpy().view(np.uint16)
     widened = (bf16_bits.astype(np.uint32) << 16).view(np.float32)
+    cases = ((chunk, False, chunk), (bf16_bits, True, widened), (ids, False, ids))
     for compression in ("fast", "small"):
-        for source, widen, expected in ((chunk, False, chunk), (bf16_bits, True, widened)):
-            data = encode_planes(shuffled_planes(source, widen), compression)
-            raw = np.frombuffer(zlib.decompress(data), dtype=np.uint8).reshape(4, -1).T.copy()
-            assert np.array_equal(raw.view(np.float32).reshape(chunk.shape), expected)
+        for source, widen, expected in cases:
+            data, zeros = shuffled(source, widen)
+            stream = encode_shuffled(data, zeros, source.size, compression)
+            raw = np.frombuffer(zlib.decompress(stream), dtype=np.uint8)
+            unshuffled = raw.reshape(expected.itemsize, -1).T.copy().view(expected.dtype).reshape(expected.shape)
+            assert np.array_equal(unshuffled, expected)
 
 
 def test_chunk_shape_bounds_chunk_bytes():
