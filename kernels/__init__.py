@@ -10,7 +10,7 @@ Each module registers its kernels (name, family, target archs, representative co
 `_common.REGISTRY` and has torch-facing launchers. `compile.compile_all` compiles them without a GPU.
 Importing this package does not import CuTeDSL; importing a family module does.
 """
-FAMILY_MODULES = ("norm", "rope", "nvfp4", "kv_cache", "mhc")
+FAMILY_MODULES = ("norm", "rope", "nvfp4", "kv_cache", "mhc", "gemm_fp8", "gemm_w4a16")
 
 
 def load_all():

@@ -242,7 +242,9 @@ def check_moe(preset: str, E_small: int = 24, tokens=(256, 4096), gen=None, log=
 
 def check_gemms(chk) -> None:
     """Add the GEMM rows to a kernels/check.py Checker (correctness; speed is benchmarks/bench_gemm.py)."""
-    preset = chk.preset if chk.preset in FP8_SHAPES else "flash"
+    if chk.preset not in FP8_SHAPES:                  # GEMM rows at the real Pro / Flash shapes only
+        return
+    preset = chk.preset
     for r in check_fp8(preset, gen=chk.gen, log=lambda s: None) + check_w4(preset, gen=chk.gen, log=lambda s: None) \
             + check_moe(preset, gen=chk.gen, log=lambda s: None):
         chk.add(r)

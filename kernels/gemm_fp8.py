@@ -132,7 +132,7 @@ class Fp8BlockGemm:
                                                     cute.slice_(sB_layout, (None, None, 0)),
                                                     (self.tile_n, self.tile_k))
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            Float8E4M3FN, Float8E4M3FN, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            Float8E4M3FN, Float8E4M3FN, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (2, 1, 1), tiler_mn=(64, self.tile_n))
 
         @cute.struct
@@ -158,7 +158,7 @@ class Fp8BlockGemm:
         lane = cute.arch.lane_idx()
         k_tiles = k // self.tile_k
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.storage)
         sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)

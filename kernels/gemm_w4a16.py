@@ -152,7 +152,7 @@ class W4A16Gemm:
             (self.n_cta, self.tile_k))
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (2, 1, 1), tiler_mn=(64, self.n_tok), a_source=warpgroup.OperandSource.RMEM)
 
         @cute.struct
@@ -201,7 +201,7 @@ class W4A16Gemm:
         k_tiles = k_per_split // self.chunks
 
         if valid != 0:
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(self.storage)
             sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
             sW = st.sW.get_tensor(cute.make_layout((4, 32, 4, self.chunks, 2, self.stages),

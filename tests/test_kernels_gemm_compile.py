@@ -1,0 +1,209 @@
+"""GEMM kernels on CPU (CI): compile for sm_90a with fake tensors, PTX contents, and the exactness of the
+NVFP4 repack and of the MoE grouping glue (through a torch model of the kernel).
+
+The WGMMA kernels compile in ~1-3 s each; the repack and glue tests run in well under a second.
+"""
+import os
+import re
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="CuTeDSL (nvidia-cutlass-dsl 4.8.1) is not installed")
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from dsv4_kernels import gemm_fp8, gemm_w4a16, moe, w4_pack
+from dsv4_kernels._common import REGISTRY, compile_kernel
+
+from dsv4debug.formats import (
+    mxfp4_quantize,
+    mxfp4_to_nvfp4,
+    nvfp4_dequantize,
+    nvfp4_quantize,
+)
+
+CI = [("fp8_act_quant", {}), ("fp8_block_gemm", {})] + [("w4a16_gemm", c) for c in REGISTRY["w4a16_gemm"].ci()]
+
+
+@pytest.mark.parametrize("name,cfg", CI, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in c.items())}" for n, c in CI])
+def test_compiles_for_hopper(name, cfg):
+    from dsv4_kernels import _common
+    _common._CACHE.pop((name, _common.config_key(cfg), "sm_90a"), None)
+    t0 = time.perf_counter()
+    assert compile_kernel(name, "sm_90a", **cfg) is not None
+    assert time.perf_counter() - t0 < 30
+
+
+def test_wgmma_kernels_are_hopper_only():
+    assert REGISTRY["w4a16_gemm"].archs == ("sm_90a",)
+    assert REGISTRY["fp8_block_gemm"].archs == ("sm_90a",)
+    with pytest.raises(ValueError, match="not declared"):
+        compile_kernel("w4a16_gemm", "sm_100a", n_tok=16)
+
+
+def _ptx(build, **cfg) -> str:
+    from cutlass import cute
+    kern, args = build(**cfg)
+    return cute.compile[cute.GPUArch("sm_90a"), cute.KeepPTX](kern, *args).artifacts.PTX
+
+
+def test_ptx_has_register_sourced_bf16_wgmma_and_no_fp4_conversion():
+    ptx = _ptx(gemm_w4a16._build, n_tok=16, grouped=True, epilogue="swiglu")
+    wg = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert wg and all(".bf16.bf16" in ln for ln in wg)
+    a_ops = [re.search(r"\}, \{([^}]*)\}", ln).group(1) for ln in wg]
+    assert all(len(re.findall(r"%r\d+", a)) == 4 for a in a_ops)      # A operand: 4 registers (RS form)
+    assert "e2m1" not in ptx and "mul.rn.bf16x2" in ptx and "cp.async.bulk.shared" in ptx
+
+
+def test_ptx_fp8_gemm_and_quant():
+    gemm = _ptx(gemm_fp8._build_gemm)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in gemm
+    quant = _ptx(gemm_fp8._build_quant)
+    assert quant.count("cvt.rn.satfinite.e4m3x2.f32") == 4 and "div.rn.f32" in quant
+
+
+def test_invalid_configs_are_refused():
+    with pytest.raises(ValueError):
+        gemm_w4a16.W4A16Gemm(n_tok=12)
+    with pytest.raises(ValueError):
+        gemm_w4a16.W4A16Gemm(n_tok=16, grouped=True, split_k=True)
+    with pytest.raises(ValueError):
+        gemm_fp8.Fp8BlockGemm(tile_n=64)
+
+
+# ---- the NVFP4 repack is exact ------------------------------------------------------------------------
+
+def _exact_product(q, ws, s2):
+    """fp64 value * e4m3 scale * global scale (the kernel applies the global scale to fp32 sums)."""
+    from dsv4debug.formats import e2m1_decode
+    vals = e2m1_decode(q).double()
+    n, k = vals.shape
+    return (vals.view(n, k // 16, 16) * ws.double()[..., None] * float(s2)).view(n, k)
+
+
+def test_pack_roundtrip_nvfp4_quantised():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 512, generator=g) * 0.05
+    w[:3, :16] = 0.0                                  # zero blocks
+    w[5, 32:48] *= 1e-4                               # tiny block (e4m3 subnormal or zero scale)
+    q, ws, s2 = nvfp4_quantize(w)
+    dec = w4_pack.decode_blob(*w4_pack.pack_nvfp4(q, ws, s2))[0].double()
+    want = _exact_product(q, ws, s2)
+    assert torch.allclose(dec, want, rtol=2 ** -23, atol=0)
+    assert torch.equal(dec.float(), nvfp4_dequantize(q, ws, s2)) or \
+        (dec.float() - nvfp4_dequantize(q, ws, s2)).abs().max() <= 2 ** -20 * w.abs().max()
+
+
+def test_pack_mxfp4_cast_is_bit_exact_with_subnormal_scales():
+    g = torch.Generator().manual_seed(1)
+    w1, w3 = torch.randn(128, 256, generator=g) * 0.02, torch.randn(128, 256, generator=g) * 0.02
+    w1[0, :32] *= 2.0 ** -14                          # 14 exponents below the max: e4m3 subnormal block scale
+    a1, a3 = mxfp4_quantize(w1), mxfp4_quantize(w3)
+    nv1, nv3, lossy = mxfp4_to_nvfp4(*a1, *a3)
+    assert lossy == 0 and (nv1[1].float() < 2 ** -6).any()
+    dec = w4_pack.decode_blob(*w4_pack.pack_nvfp4_w13(nv1[0], nv1[1], nv3[0], nv3[1], nv1[2]))[0]
+    want = w4_pack.interleave_w13(nvfp4_dequantize(*nv1), nvfp4_dequantize(*nv3))
+    assert torch.equal(dec, want)
+
+
+def test_pack_negative_and_zero_scales():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(128, 64, generator=g)
+    q, ws, s2 = nvfp4_quantize(w)
+    ws = ws.float()
+    ws[0, 0] = -ws[0, 0]
+    ws[1, 1] = 0.0
+    ws = ws.to(torch.float8_e4m3fn)
+    dec = w4_pack.decode_blob(*w4_pack.pack_nvfp4(q, ws, s2))[0].double()
+    assert torch.allclose(dec, _exact_product(q, ws, s2), rtol=2 ** -23, atol=0)
+    with pytest.raises(ValueError):
+        w4_pack.pack_nvfp4(q[:100], ws[:100], s2)   # N must be a multiple of 128
+
+
+# ---- MoE grouping glue through the torch model of the kernel -------------------------------------------
+
+def _experts(E, D, I, g):
+    p13, p2, dense = [], [], []
+    for _ in range(E):
+        w1, w3, w2 = (torch.randn(I, D, generator=g) * D ** -0.5, torch.randn(I, D, generator=g) * D ** -0.5,
+                      torch.randn(D, I, generator=g) * I ** -0.5)
+        s2 = (torch.maximum(w1.abs().amax(), w3.abs().amax()) / 2688).float()
+        a1, a3, a2 = nvfp4_quantize(w1, s2), nvfp4_quantize(w3, s2), nvfp4_quantize(w2)
+        p13.append(w4_pack.pack_nvfp4_w13(a1[0], a1[1], a3[0], a3[1], s2))
+        p2.append(w4_pack.pack_nvfp4(*a2))
+        dense.append(tuple(nvfp4_dequantize(*a).bfloat16() for a in (a1, a3, a2)))
+    return w4_pack.stack_packed(p13), w4_pack.stack_packed(p2), dense
+
+
+@pytest.mark.parametrize("cfg", [{"n_tok": 16, "t_max": 1}, {"n_tok": 8, "t_max": 2}, {"n_tok": 64, "t_max": 2}])
+def test_moe_glue_matches_reference_experts(monkeypatch, cfg):
+    import dsv4_references as ref
+    monkeypatch.setattr(moe, "w4a16_launch", w4_pack.emulate_gemm)
+    g = torch.Generator().manual_seed(3)
+    E, D, I, k, T = 5, 128, 128, 2, 37
+    w13, w2, dense = _experts(E, D, I, g)
+    x = torch.randn(T, D, generator=g).bfloat16()
+    wts, ids = torch.rand(T, E, generator=g).topk(k, -1)
+    ids[0] = torch.tensor([4, 1])                   # unsorted slots
+    wts = (wts / wts.sum(-1, keepdim=True)).float()
+    y = moe.moe_routed(x, ids, wts, w13, w2, E, 10.0, config=cfg)
+    want = torch.zeros(T, D)
+    for e in torch.unique(ids).tolist():
+        hit = ids == e
+        tok = hit.any(-1).nonzero().squeeze(-1)
+        want.index_add_(0, tok, ref.expert(x[tok], *dense[e], 10.0, (wts * hit).sum(-1)[tok]).float())
+    cos = torch.nn.functional.cosine_similarity(y.flatten().double(), want.flatten().double(), 0)
+    assert cos > 0.9999
+
+
+def test_route_plan_units_cover_every_row_once():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [3, 0]])
+    plan = moe.route_plan(ids, 6, chunk=2)
+    n = int(plan.ucount)
+    units = plan.units[:n].tolist()
+    assert plan.units.shape[0] == -(-ids.numel() // 2) + 6
+    covered = [r for _, r0, c in units for r in range(r0, r0 + c)]
+    assert covered == list(range(ids.numel()))
+    assert all(0 < c <= 2 for _, _, c in units)
+    assert [e for e, _, _ in units] == sorted(e for e, _, _ in units)
+    # rows of one expert hold its tokens in ascending order
+    flat = ids.flatten()[plan.order]
+    assert torch.equal(flat, flat.sort().values)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 40, 300, 4096])
+@pytest.mark.parametrize("n,k", [(3072, 7168), (7168, 3072), (2048, 4096), (4096, 2048), (6144, 7168)])
+def test_dense_configs_are_legal(m, n, k):
+    cfg = gemm_w4a16.pick_dense_config(m, n, k)
+    split, tile_k = cfg.get("split", 1), cfg.get("tile_k", 64)
+    assert (k // 64) % (split * (tile_k // 64)) == 0
+    assert cfg.get("split_k", False) == (split > 1)
+    gemm_w4a16.W4A16Gemm(**{kk: v for kk, v in cfg.items() if kk != "split"})   # a valid kernel config
+
+
+def test_pack_expert_from_checkpoint_weights():
+    """The backend's per-expert packing (MXFP4 cast and NVFP4) decodes to the reference's dequantised weights."""
+    from dsv4debug.formats import QWeight
+    g = torch.Generator().manual_seed(4)
+    D, I = 128, 256
+    raw = {n: torch.randn(*s, generator=g) * s[1] ** -0.5 for n, s in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I)))}
+    mx = [QWeight(f"e.{n}", "mxfp4", dict(zip(("weight", "scale"), mxfp4_quantize(w), strict=True)))
+          for n, w in raw.items()]
+    p13, p2 = moe.pack_expert(*mx)
+    want13 = w4_pack.interleave_w13(mx[0].dequantize(), mx[1].dequantize())
+    assert torch.equal(w4_pack.decode_blob(*p13)[0], want13)
+    assert torch.equal(w4_pack.decode_blob(*p2)[0], mx[2].dequantize())
+    s2 = torch.tensor(0.01)
+    nv = []
+    for n, w in raw.items():
+        q, ws, sc2 = nvfp4_quantize(w, s2 if n != "w2" else None)
+        nv.append(QWeight(f"e.{n}", "nvfp4", {"weight": q, "weight_scale": ws, "weight_scale_2": sc2}))
+    p13, p2 = moe.pack_expert(*nv)
+    got = w4_pack.decode_blob(*p13)[0]
+    want = w4_pack.interleave_w13(nv[0].dequantize(), nv[1].dequantize())
+    assert (got - want).abs().max() <= 2 ** -22 * want.abs().max()
+    bad = QWeight("e.w3", "nvfp4", dict(nv[1].tensors, weight_scale_2=torch.tensor(0.02)))
+    with pytest.raises(ValueError, match="weight_scale_2"):
+        moe.pack_expert(nv[0], bad, nv[2])
