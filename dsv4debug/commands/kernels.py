@@ -105,6 +105,8 @@ def check_cmd(shapes: Annotated[str, typer.Option(help="pro | flash | tiny (mode
               = True,
               output: Annotated[Path | None, typer.Option("--output", "-o", help="also write the JSON here")]
               = None,
+              family: Annotated[list[str] | None, typer.Option(help="only these families (repeatable): norm, rope, "
+                                                              "nvfp4, kv_cache, mhc, gemm")] = None,
               as_json: JsonOpt = False) -> None:
     """Every kernel against its references/ op at real shapes on this machine's GPU (exit 1 if any fails)."""
     import torch
@@ -116,9 +118,12 @@ def check_cmd(shapes: Annotated[str, typer.Option(help="pro | flash | tiny (mode
         raise BadInput("kernels check needs a CUDA GPU and this machine has none; nothing was checked "
                        "(`dsv4debug kernels compile` checks compilation without a GPU)")
     _need_cutedsl()
-    from dsv4_kernels.check import run_checks
+    from dsv4_kernels.check import Checker, run_checks
+    bad = [f for f in family or [] if f not in Checker.FAMILIES]
+    if bad:
+        raise BadInput(f"--family {', '.join(bad)}: choose from {', '.join(Checker.FAMILIES)}")
     log = (lambda s: err.print(s, highlight=False)) if not as_json else (lambda s: print(s, file=sys.stderr))
-    doc = run_checks(shapes, seq, bench, compile_baselines, log=log)
+    doc = run_checks(shapes, seq, bench, compile_baselines, log=log, families=tuple(family or ()) or None)
     doc = _finite(doc)
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
