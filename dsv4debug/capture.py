@@ -382,7 +382,9 @@ class CaptureWriter:
         if self._closed:
             return self.path
         self._stop()
-        self._raise_background_error()
+        if self._error is not None:
+            self._file.close()                       # leaves path.tmp as it is
+            self._raise_background_error()
         self._append_rows()
         self._file.attrs["complete"] = True
         self._file.close()
