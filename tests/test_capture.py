@@ -384,3 +384,29 @@ def test_readme_attribute_tables_match_the_code():
     begin = "<!-- BEGIN GENERATED: python -m dsv4debug.capture --doc -->\n"
     generated = readme[readme.index(begin) + len(begin):readme.index("<!-- END GENERATED -->")]
     assert generated == attribute_doc() + "\n", "regenerate with python -m dsv4debug.capture --doc"
+
+
+def test_report_with_metrics_experts_and_html(tmp_path):
+    from dsv4debug.metrics import compare
+    path = tmp_path / "experts.h5"
+    g = torch.Generator().manual_seed(1)
+    with CaptureWriter(path, meta(), "stats") as w:
+        metrics, floors = {}, {}
+        for layer in range(2):
+            for expert in range(4):
+                site = f"layers.{layer}.ffn.experts.{expert}"
+                ref = torch.randn(5, 64, generator=g)
+                cand = ref * (1.5 if (layer, expert) == (1, 3) else 1.0)     # one broken expert
+                w.record("reference", site, ref, layer=layer, token_dim=False)
+                w.record("candidate", site, cand, layer=layer, token_dim=False)
+                metrics[site], floors[site] = compare(ref, cand), {"rel_l2": 0.002}
+            w.end_layer("candidate", layer)
+        w.write_metrics("candidate", metrics)
+        w.write_floors(floors, "test")
+    html_path = tmp_path / "r.html"
+    result = run_app("report", path, "--json", "--html", html_path)
+    assert result.exit_code == 1                                   # a divergence was found
+    doc = json.loads(result.output)
+    assert doc["verdict"]["first_divergence"]["site"] == "layers.1.ffn.experts.3"
+    page = html_path.read_text()
+    assert "layer 1 expert 3: 250" in page and page.count("<rect") >= 8
