@@ -55,7 +55,7 @@ class Backend:
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
         self.device = torch.device(device)
         self.dtype = dtype                      # activation dtype of a free run (bf16; fp32/fp64 twins)
-        self._cache: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._cache: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     def missing_ops(self) -> list[str]:
         """Ops of the flow this backend does not implement."""
@@ -75,7 +75,7 @@ class Backend:
         """The exact dequantised weight in `dtype` on this backend's device (cached until end_stage)."""
         if w is None:
             return None
-        key = (id(w), dtype)
+        key = (w.name, dtype)          # module names are unique within a side
         if key not in self._cache:
             self._cache[key] = w.dequantize(torch.float32, self.device).to(dtype)
         return self._cache[key]

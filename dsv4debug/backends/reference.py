@@ -12,9 +12,8 @@ class ReferenceBackend(Backend):
     name = "reference"
 
     def embed(self, ids: torch.Tensor, w: QWeight) -> torch.Tensor:
-        # embedding rows are gathered before any dequantisation: only S rows leave the memory map
-        rows = QWeight(w.name, w.fmt, {"": w.tensors[""][ids.cpu()]})
-        return self.param(rows).to(self.dtype)
+        # only the S rows of the (memory-mapped) table are read, and nothing is cached
+        return w.tensors[""][ids.cpu()].to(self.device, self.dtype)
 
     def hc_pre(self, x, fn, scale, base, *, iters, norm_eps, hc_eps):
         return ref.hc_pre(x, self.param(fn), self.param(scale), self.param(base), iters, norm_eps, hc_eps)
