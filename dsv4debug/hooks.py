@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Self
 
 from .capture import TMP_SUFFIX, CaptureWriter, as_policy
 from .errors import BadInput
@@ -44,9 +45,6 @@ HEAD_SITES = ("hc_head", "norm", "logits")
 _LAYER_SITE = re.compile(r"^layers\.(\d+)\.")
 _LAYER_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _LAYER_CONTAINER = re.compile(r"(?:^|\.)layers\.(\d+)$")
-
-MapSpec = "str | NameMap | Mapping[str, str | None] | Callable[[str, nn.Module], str | None] | None"
-
 
 def resolve_map(mapping: Any) -> NameMap | None:
     """A NameMap from a built-in name ("hf", "vllm"), a NameMap, a dict or a callable; None: no map."""
@@ -114,6 +112,7 @@ class HookCapture:
         self._running: dict[str, tuple[tuple, dict]] = {}
         self._state: dict[Any, Any] = {}
         self._pending: set[int] = set()
+        self._flushed: set[tuple[str, int]] = set()
         self._plan_modules()
         if "token_ids" in self.meta:
             self._open_writer(torch.as_tensor(self.meta["token_ids"]).reshape(-1))
@@ -140,7 +139,7 @@ class HookCapture:
         self._closed = True
         return self._writer.abort() if self._writer is not None else None
 
-    def __enter__(self) -> HookCapture:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -199,7 +198,7 @@ class HookCapture:
     def _pre_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if self._busy or self.error is not None or self._closed:
-                return None
+                return
             self._busy = True
             try:
                 if module is self.root:
@@ -211,13 +210,13 @@ class HookCapture:
                 self._fail(e)
             finally:
                 self._busy = False
-            return None
+            return
         return hook
 
     def _post_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self._busy or self.error is not None or self._closed:
-                return None
+                return
             self._busy = True
             try:
                 if self._active:
@@ -234,7 +233,7 @@ class HookCapture:
                 self._fail(e)
             finally:
                 self._busy = False
-            return None
+            return
         return hook
 
     def _begin_forward(self, args: tuple, kwargs: dict) -> None:
@@ -326,7 +325,9 @@ class HookCapture:
     def _flush_through(self, layer: int) -> None:
         """end_layer for every pending layer <= layer, in order (the embedding's -1 first)."""
         for pending in sorted(x for x in self._pending if x <= layer):
-            self._writer.end_layer(self._current_run, pending)
+            if (self._current_run, pending) not in self._flushed:    # later rows go out with the next flush
+                self._writer.end_layer(self._current_run, pending)
+                self._flushed.add((self._current_run, pending))
             self._pending.discard(pending)
 
     def _flush_all(self) -> None:

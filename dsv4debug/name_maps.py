@@ -377,12 +377,12 @@ HF = NameMap(
         "ffn.experts.<E>",                                                     # one fused 3-D experts module
     ),
     notes=(
-        "Window and compressed KV, rope and the sink attention are functions inside DeepseekV4Attention: "
-        "their outputs have no module boundary. o_rope is taken from o_a_proj's input.",
-        "HF has no QAT simulations (KV FP8, indexer Hadamard + FP4): compare with our reference run with "
-        "qat=False.",
-        "The experts are one module with 3-D weights (gate_up_proj [E, 2I, D], gate rows first): per-expert "
-        "outputs are not observable; layers.N.ffn.experts records the routed sum.",
+        ("Window and compressed KV, rope and the sink attention are functions inside DeepseekV4Attention: "
+        "their outputs have no module boundary. o_rope is taken from o_a_proj's input."),
+        ("HF has no QAT simulations (KV FP8, indexer Hadamard + FP4): compare with our reference run with "
+        "qat=False."),
+        ("The experts are one module with 3-D weights (gate_up_proj [E, 2I, D], gate rows first): per-expert "
+        "outputs are not observable; layers.N.ffn.experts records the routed sum."),
     ),
 )
 
@@ -416,7 +416,7 @@ def _mix_post(t: torch.Tensor, c: Call) -> torch.Tensor:
 
 
 def _mix_comb(t: torch.Tensor, c: Call) -> torch.Tensor:
-    m = c.dims.get("hc_mult") or int(round((t[0].numel()) ** 0.5))
+    m = c.dims.get("hc_mult") or round((t[0].numel()) ** 0.5)
     return t.reshape(t.shape[0], m, m)
 
 
@@ -613,10 +613,10 @@ VLLM = NameMap(
         "ffn.experts.<E>",
     ),
     notes=(
-        "Run vLLM with enforce_eager=True: CUDA-graph replay and torch.compile'd regions do not call "
-        "forward hooks.",
-        "Capture one request (the capture holds one token sequence); logits are only computed for sampled "
-        "rows.",
+        ("Run vLLM with enforce_eager=True: CUDA-graph replay and torch.compile'd regions do not call "
+        "forward hooks."),
+        ("Capture one request (the capture holds one token sequence); logits are only computed for sampled "
+        "rows."),
         _VLLM_NOTES["tp"],
     ),
 )
@@ -774,7 +774,8 @@ def model_config_of(module: nn.Module) -> dict[str, Any] | None:
         d.setdefault("rope_scaling", compress)
     if "qk_rope_head_dim" not in d and getattr(cfg, "qk_rope_head_dim", None):
         d["qk_rope_head_dim"] = cfg.qk_rope_head_dim
-    d.pop("quantization_config", None)
+    for key in ("quantization_config", "dtype", "name"):      # HF's runtime dtype is not our weight format
+        d.pop(key, None)
     try:
         return ModelConfig.from_dict(d, name=str(d.get("model_type", "custom"))).to_dict()
     except Exception:   # noqa: BLE001 - provenance only: fall back to the raw config
