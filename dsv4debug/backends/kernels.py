@@ -23,6 +23,15 @@ from ..errors import BadInput
 from .base import Backend
 
 
+# op -> the kernels/ module that implements it: the site table's one hop from a site to its kernel
+KERNEL_MODULES = {
+    "rms_norm": "dsv4_kernels.norm", "head_rms_norm": "dsv4_kernels.norm", "rope": "dsv4_kernels.rope",
+    "kv_cache": "dsv4_kernels.kv_cache", "hc_pre": "dsv4_kernels.mhc", "hc_post": "dsv4_kernels.mhc",
+    "hc_head": "dsv4_kernels.mhc", "linear": "dsv4_kernels.gemm_fp8 | dsv4_kernels.gemm_w4a16",
+    "expert": "dsv4_kernels.gemm_w4a16 (+ gemm_fp8 for the shared expert)",
+}
+
+
 def _load_kernels():
     try:
         import dsv4_kernels

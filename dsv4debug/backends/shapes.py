@@ -13,6 +13,7 @@ from ..config import ModelConfig
 from ..formats import QWeight
 from ..schema import all_modules
 from .base import OPS
+from .kernels import KERNEL_MODULES
 from .reference import ReferenceBackend
 
 META = torch.device("meta")
@@ -74,6 +75,7 @@ def trace_sites(cfg: ModelConfig, seqlen: int = 8, layers: range | None = None) 
         for site, t in ev.outputs:
             table.append({"site": site, "layer": layer, "op": ev.op, "family": ev.family,
                           "reference": "dsv4_references." + OPS[ev.op][1] if ev.op != "embed" else OPS[ev.op][1],
+                          "kernel": KERNEL_MODULES.get(ev.op, "-"),
                           "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")})
 
     side = Side("shapes", ShapeBackend(cfg), _SchemaWeights(cfg))  # type: ignore[arg-type]
