@@ -364,7 +364,7 @@ def _hf_taps() -> list[Rule]:
         Rule(r"(?:^|\.)layers\.(?P<L>\d+)$", (Tap("layers.{L}.hc_ffn.post", bl, family="mhc",
                                                   note=_HF_NOTES["hc_ffn.post"]),)),
         Rule(r"(?:^|\.)hc_head$", (Tap("hc_head", bl, family="mhc"),)),
-        Rule(r"(?:^|\.)norm$", (Tap("norm", bl, family="norm"),)),
+        Rule(r"(?:^|(?:^|\.)model\.)norm$", (Tap("norm", bl, family="norm"),)),
         Rule(r"(?:^|\.)lm_head$", (Tap("logits", bl, family="logits", note=_HF_NOTES["logits"]),)),
     ]
 
@@ -567,6 +567,7 @@ def _vllm_taps() -> list[Rule]:
                 note=_VLLM_NOTES["compressor"], extra=True),
             Tap("layers.{L}.attn.compressor.wgate", _vllm_kv_score(1), when="pre", family="linear",
                 note=_VLLM_NOTES["compressor"], extra=True))),
+        Rule(L(r"compressor\.(norm|fused_wkv_wgate)$"), SKIP),            # weights read by fused kernels
         Rule(L(mla + r"wo_b$"), (
             Tap("layers.{L}.attn.wo_a", arg(0, "input_"), when="pre", family="linear", note=_VLLM_NOTES["wo_a"]),
             Tap("layers.{L}.attn.wo_b", t0, family="linear"))),
@@ -598,7 +599,7 @@ def _vllm_taps() -> list[Rule]:
         Rule(L(r"ffn$"), (Tap("layers.{L}.ffn", t0, family="experts", note=_VLLM_NOTES["ffn"]),)),
         Rule(r"(?:^|\.)layers\.(?P<L>\d+)$", SKIP),       # (ffn output, hc_attn.post streams, mixes)
         Rule(r"(?:^|\.)hc_head_op$", (Tap("hc_head", t0, family="mhc"),)),
-        Rule(r"(?:^|\.)norm$", (Tap("norm", t0, family="norm"),)),
+        Rule(r"(?:^|(?:^|\.)model\.)norm$", (Tap("norm", t0, family="norm"),)),
         Rule(r"(?:^|\.)logits_processor$", (Tap("logits", t0, family="logits", note=_VLLM_NOTES["logits"]),)),
         Rule(r"(?:^|\.)lm_head$", SKIP),
     ]
@@ -643,7 +644,6 @@ def from_user(mapping: Mapping[str, str | None] | Callable[[str, nn.Module], str
 @dataclass
 class _CallableMap(NameMap):
     fn: Callable[[str, nn.Module], str | None] = field(default=lambda name, module: None)
-    _modules: dict[str, nn.Module] = field(default_factory=dict)
 
     def resolve_module(self, name: str, module: nn.Module) -> tuple[tuple[Tap, ...] | str | None, dict]:
         site = self.fn(name, module)
