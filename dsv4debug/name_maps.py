@@ -614,8 +614,8 @@ VLLM = NameMap(
         "ffn.experts.<E>",
     ),
     notes=(
-        ("Run vLLM with enforce_eager=True: CUDA-graph replay and torch.compile'd regions do not call "
-        "forward hooks."),
+        ("Run vLLM with enforce_eager=True and compilation_config=0: CUDA-graph replay and torch.compile'd "
+         "regions do not call forward hooks."),
         ("Capture one request (the capture holds one token sequence); logits are only computed for sampled "
         "rows."),
         _VLLM_NOTES["tp"],
