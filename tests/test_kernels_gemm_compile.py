@@ -5,7 +5,6 @@ The WGMMA kernels compile in ~1-3 s each; the repack and glue tests run in well 
 """
 import os
 import re
-import time
 
 import pytest
 import torch
@@ -30,9 +29,7 @@ CI = [("fp8_act_quant", {}), ("fp8_block_gemm", {})] + [("w4a16_gemm", c) for c 
 def test_compiles_for_hopper(name, cfg):
     from dsv4_kernels import _common
     _common._CACHE.pop((name, _common.config_key(cfg), "sm_90a"), None)
-    t0 = time.perf_counter()
     assert compile_kernel(name, "sm_90a", **cfg) is not None
-    assert time.perf_counter() - t0 < 30
 
 
 def test_wgmma_kernels_are_hopper_only():
@@ -40,6 +37,11 @@ def test_wgmma_kernels_are_hopper_only():
     assert REGISTRY["fp8_block_gemm"].archs == ("sm_90a",)
     with pytest.raises(ValueError, match="not declared"):
         compile_kernel("w4a16_gemm", "sm_100a", n_tok=16)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)          # KeepPTX also writes the .ptx into the working directory
 
 
 def _ptx(build, **cfg) -> str:
