@@ -18,9 +18,9 @@ err_console = Console(stderr=True, soft_wrap=True)
 
 
 def _register() -> None:
-    from .commands import captures, checkpoint, model
+    from .commands import captures, checkpoint, gate, model
     app.add_typer(checkpoint.app, name="checkpoint", help="Synthetic real-format checkpoints; inspect; verify.")
-    for module in (model, captures):
+    for module in (model, captures, gate):
         module.register(app)
     from .commands import kernels
     kernels.register(app)
