@@ -137,12 +137,22 @@ def run(model: Checkpoint, token_ids: torch.Tensor, candidate: str = "sim", refe
     from .capture import CaptureWriter
     meta = capture_meta(model, token_ids, opts)
     writer = CaptureWriter(capture, meta, save, force=force)
+    producers: dict[str, dict[int, str]] = {}    # run -> data_ptr -> site: names the inputs of each op
     try:
+        for run_name, attrs in writer_runs(opts).items():
+            writer.begin_run(run_name, attrs)
+
         def record(ev: OpEvent, layer: int) -> None:
+            made = producers.setdefault(ev.run, {})
+            inputs = [made[t.data_ptr()] for t in ev.inputs if t.data_ptr() in made]
             for site, t in ev.outputs:
-                writer.record(ev.run, site, t, layer=layer, family=ev.family)
+                # expert outputs hold the rows of their routed tokens: dim 0 is not the sequence
+                writer.record(ev.run, site, t, layer=layer, family=ev.family, inputs=inputs,
+                              token_dim=False if ".ffn.experts." in site else None)
+                made[t.data_ptr()] = site
 
         def flush(layer: int) -> None:          # a killed run keeps every finished layer
+            producers.clear()                   # freed tensors' addresses are reused by the next stage
             for r in writer_runs(opts):
                 writer.end_layer(r, layer)
 
@@ -158,9 +168,16 @@ def run(model: Checkpoint, token_ids: torch.Tensor, candidate: str = "sim", refe
     return result
 
 
-def writer_runs(opts: RunOptions) -> list[str]:
-    return ["reference"] + (["candidate.forced"] if opts.mode != "free" else []) + \
-        (["candidate"] if opts.mode != "forced" else [])
+def writer_runs(opts: RunOptions) -> dict[str, dict[str, Any]]:
+    """The recorded runs with their attributes."""
+    runs = {"reference": {"backend": opts.reference, "dtype": "bfloat16", "mode": "free"}}
+    if opts.mode != "free":
+        runs["candidate.forced"] = {"backend": opts.candidate, "dtype": "bfloat16", "mode": "forced",
+                                    "forcing": opts.forcing}
+    if opts.mode != "forced":
+        runs["candidate"] = {"backend": opts.candidate, "dtype": "bfloat16", "mode": "free",
+                             "pin_router": opts.pin_router or "none"}
+    return runs
 
 
 def capture_meta(model: Checkpoint, token_ids: torch.Tensor, opts: RunOptions) -> dict[str, Any]:

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rc = app(args=argv, standalone_mode=False)   # click returns typer.Exit codes here
     except BadInput as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        err_console.print("[bold red]error:[/] ", end="")
+        err_console.print(str(e), markup=False, highlight=False)   # messages may hold [brackets]
         sys.exit(2)
     except typer.Abort:
         err_console.print("aborted")
