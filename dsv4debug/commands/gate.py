@@ -52,8 +52,8 @@ def gate(capture: Annotated[Path, typer.Argument(help="the capture to judge (fro
             print_json(result)
             return
         if doc is not None:
-            _print(doc, top)
-        _print_update(result, capture, baseline)
+            _print(doc, top, updating=True)
+        _print_update(result, capture, baseline, top)
         return
     if not baseline.exists():
         raise BadInput(f"--baseline {baseline}: no such file (create it deliberately with --update)")
@@ -78,7 +78,7 @@ def _write_outputs(doc: dict[str, Any], junit: Path | None, summary: Path | None
             raise BadInput(f"cannot write {path}: {e}") from None
 
 
-def _print(doc: dict[str, Any], top: int) -> None:
+def _print(doc: dict[str, Any], top: int, updating: bool = False) -> None:
     counts = doc["counts"]
     console.print(f"[bold]{doc['capture']}[/] (candidate {doc['capture_candidate']}) vs baseline "
                   f"[bold]{doc['baseline']}[/] (candidate {doc['baseline_candidate']}); runs "
@@ -106,14 +106,15 @@ def _print(doc: dict[str, Any], top: int) -> None:
     tally = ", ".join(f"{n} {status}" for status, n in counts.items() if n)
     if doc["status"] == "pass":
         console.print(f"[green]PASS[/]: {doc['sites']} sites, {tally}"
-                      + ("; some sites improved: refresh the baseline with --update" if counts["improved"] else ""))
+                      + ("; some sites improved: refresh the baseline with --update"
+                         if counts["improved"] and not updating else ""))
     else:
         first = doc["first_regression"]
         console.print(f"[bold red]FAIL[/]: {tally}; first: {first['site']} ({first['run']}): {first['reasons'][0]}",
                       highlight=False)
 
 
-def _print_update(result: dict[str, Any], capture: Path, baseline: Path) -> None:
+def _print_update(result: dict[str, Any], capture: Path, baseline: Path, top: int) -> None:
     if not result["updated"]:
         console.print(f"baseline {baseline} not changed: {result['reason']}")
         return
@@ -126,3 +127,8 @@ def _print_update(result: dict[str, Any], capture: Path, baseline: Path) -> None
     what = ", ".join(f"{n} {k}" for k, n in changed.items()) or "no site changed beyond its budget"
     console.print(f"[bold]baseline {baseline} updated[/] from {capture}: {what} "
                   f"(was {'failing' if doc['status'] == 'fail' else 'passing'})", highlight=False)
+    improved = [e for e in doc["entries"] if e["status"] == "improved"]
+    for e in improved[:top]:
+        console.print(f"  improved {e['site']} ({e['run']}): {short_values(e)}", highlight=False)
+    if len(improved) > top:
+        console.print(f"  ... and {len(improved) - top} more improved sites")
