@@ -474,3 +474,25 @@ def repeat_check(checkpoint, token_ids: torch.Tensor, candidate: str, repeats: i
         state = new_state
     return {"backend": candidate, "repeats": repeats, "sites_compared": compared,
             "deterministic": first is None, "first_difference": first}
+
+
+def moe_diagnostics(result: RunResult) -> dict[int, dict[str, Any]]:
+    """Per MoE layer: tokens per expert, each expert's local error on its tokens (reference inputs), and the
+    router's top-k agreement with flips against margin (forced and free)."""
+    out: dict[int, dict[str, Any]] = {}
+    for r in result.sites:
+        if ".ffn." not in r.site:
+            continue
+        d = out.setdefault(r.layer, {"tokens_per_expert": {}, "expert_local_rel_l2": {}, "expert_x_floor": {},
+                                     "routing": {}})
+        if ".ffn.experts." in r.site:
+            e = int(r.site.rsplit(".", 1)[1])
+            d["tokens_per_expert"][e] = r.ref_stats["shape"][0]
+            if r.local is not None:
+                d["expert_local_rel_l2"][e] = r.local["rel_l2"]
+                d["expert_x_floor"][e] = (r.judge("local", result.options.budget) or {}).get("x_floor")
+        elif r.site.endswith("gate.topk_ids"):
+            for kind, m in (("forced", r.local), ("free", r.free)):
+                if m is not None:
+                    d["routing"][kind] = {k: m[k] for k in ("agreement_mean", "flips", "ties", "hard_flips")}
+    return out

@@ -73,3 +73,15 @@ def test_repeat_catches_run_dependent_noise(tiny, tokens):
 def test_repeat_passes_a_deterministic_backend(tiny, tokens):
     report = repeat_check(tiny, tokens[:32], "sim")
     assert report["deterministic"] and report["sites_compared"] > 200
+
+
+def test_moe_diagnostics_single_out_the_broken_expert(tiny, tokens):
+    from dsv4debug.runner import moe_diagnostics
+    result = dd.run(tiny, tokens[:64], candidate="reference", inject=["swap_w13@layers.3.ffn.experts.2"])
+    diag = moe_diagnostics(result)
+    assert set(diag) == set(range(tiny.config.n_layers))
+    xf = diag[3]["expert_x_floor"]
+    assert max(xf, key=xf.get) == 2 and xf[2] > 8
+    assert all(x <= 1 for e, x in xf.items() if e != 2)
+    assert sum(diag[3]["tokens_per_expert"].values()) == 64 * tiny.config.n_activated_experts
+    assert diag[3]["routing"]["forced"]["hard_flips"] == 0

@@ -106,6 +106,7 @@ def run(checkpoint: Path | None = CheckpointArg,
         pin_router: str | None = typer.Option(None, help="The free candidate routes with the reference's "
                                                  "expert ids (ids) or ids and weights (ids+weights)."),
         repeat: int = typer.Option(1, help="Also run the candidate N times per stage: bitwise determinism."),
+        moe: bool = typer.Option(False, help="Print MoE diagnostics: tokens and local error per expert, routing."),
         json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
         ) -> None:
     """Run reference and candidate side by side and name where NaN or divergence starts."""
@@ -130,13 +131,17 @@ def run(checkpoint: Path | None = CheckpointArg,
         determinism = repeat_check(model, ids, candidate, repeat, device, qat, [parse_fault(f) for f in inject])
     failed = result.diverged or (determinism is not None and not determinism["deterministic"])
     if json_out:
+        from ..runner import moe_diagnostics
         doc = {"verdict": result.verdict, "determinism": determinism, "missing_ops": result.missing_ops,
+               "moe": moe_diagnostics(result),
                "timings_s": result.timings,
                "capture": str(capture) if capture else None,
                "sites": [r.to_dict(result.options.budget) for r in result.sites]}
         out.print_json(json.dumps(doc, default=_json_default))
     else:
         _print_verdict(result.verdict, result.missing_ops, candidate)
+        if moe:
+            _print_moe(result)
         if determinism is not None:
             d = determinism["first_difference"]
             out.print(f"determinism over {repeat} runs: " + ("[green]bitwise identical[/]" if d is None else
@@ -144,6 +149,22 @@ def run(checkpoint: Path | None = CheckpointArg,
         if capture:
             out.print(f"capture written: {capture}")
     raise typer.Exit(1 if failed else 0)
+
+
+def _print_moe(result) -> None:
+    from ..runner import moe_diagnostics
+    t = Table(title="MoE: tokens / local error (x floor) per expert; routing agreement")
+    for col in ("layer", "experts (tokens: x floor)", "worst expert", "routing forced", "routing free"):
+        t.add_column(col)
+    for layer, d in sorted(moe_diagnostics(result).items()):
+        xf = {e: x for e, x in d["expert_x_floor"].items() if x is not None}
+        cells = " ".join(f"{e}({n}:{_fmt(xf.get(e), 2)})" for e, n in sorted(d["tokens_per_expert"].items()))
+        worst = max(xf, key=xf.get) if xf else None
+        routing = [d["routing"].get(k) for k in ("forced", "free")]
+        t.add_row(str(layer), cells, "-" if worst is None else f"{worst} ({_fmt(xf[worst])}x)",
+                  *("-" if r is None else f"{r['agreement_mean']:.3f}, {r['hard_flips']} hard / {r['ties']} ties"
+                    for r in routing))
+    out.print(t)
 
 
 def _json_default(x: Any) -> Any:
