@@ -22,7 +22,6 @@ import torch
 from ..errors import BadInput
 from .base import Backend
 
-
 # op -> the kernels/ module that implements it: the site table's one hop from a site to its kernel
 KERNEL_MODULES = {
     "rms_norm": "dsv4_kernels.norm", "head_rms_norm": "dsv4_kernels.norm", "rope": "dsv4_kernels.rope",
