@@ -1,8 +1,6 @@
 """`inspect`, `report` and `diff`: read captures; tables with rich, one JSON document with --json."""
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +20,7 @@ from ..report import (
     render_html,
 )
 from ..verdict import DEFAULT_BUDGET
+from . import print_json
 
 console = Console()
 FAILING = ("nan", "diverged")      # verdict statuses for which `report` exits 1
@@ -35,21 +34,6 @@ def register(app: typer.Typer) -> None:
     app.command("report", help="Per-layer tables, metrics vs reference and the verdict; --html for a page. "
                 "Exit 1 when the verdict finds NaN/Inf or a divergence.")(report)
     app.command("diff", help="Compare two captures site by site; exit 1 when a site exceeds its rule.")(diff)
-
-
-def print_json(doc: Any) -> None:
-    """JSON with non-finite floats as the strings "inf", "-inf", "nan" (strict JSON has no such numbers)."""
-    print(json.dumps(_finite(doc), indent=1, allow_nan=False))
-
-
-def _finite(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else "inf" if v > 0 else "-inf"
-    if isinstance(v, dict):
-        return {str(k): _finite(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_finite(x) for x in v]
-    return v
 
 
 def _mib(n: int) -> str:

@@ -1,7 +1,6 @@
 """`dsv4debug checkpoint make|info|verify`: thin wrappers over dsv4debug.checkpoint."""
 from __future__ import annotations
 
-import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +14,7 @@ from rich.table import Table
 from ..checkpoint import Checkpoint, make_checkpoint
 from ..config import preset
 from ..errors import BadInput
+from . import print_json
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 console = Console()
@@ -77,7 +77,7 @@ def info(directory: Annotated[Path, typer.Argument(help="Checkpoint directory or
     """Config summary, layer types and routing per layer, formats and sizes."""
     report = Checkpoint.open(directory).info()
     if json_out:
-        typer.echo(json.dumps(report, indent=2))
+        print_json(report)
         return
     ident, cfg = report["identity"], report["config"]
     console.print(_table("checkpoint", ["key", "value"], [
@@ -106,10 +106,10 @@ def verify(directory: Annotated[Path, typer.Argument(help="Checkpoint directory 
             report = ckpt.verify(progress=progress)
     except BadInput as e:
         if json_out:
-            typer.echo(json.dumps({"ok": False, "path": str(directory), "error": str(e)}, indent=2))
+            print_json({"ok": False, "path": str(directory), "error": str(e)})
         raise
     if json_out:
-        typer.echo(json.dumps(report, indent=2))
+        print_json(report)
         return
     for w in report["warnings"]:
         err_console.print(f"[yellow]warning:[/] {w}", highlight=False)

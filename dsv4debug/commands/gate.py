@@ -10,7 +10,7 @@ from rich.console import Console
 from ..errors import BadInput
 from ..gate import gate as run_gate
 from ..gate import junit_xml, load_gate_rules, markdown_summary, short_values, update_baseline
-from .captures import print_json
+from . import print_json
 
 console = Console()
 

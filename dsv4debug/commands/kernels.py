@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -12,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import BadInput
+from . import finite_json
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="CuTeDSL kernels: compile for sm_90a/sm_100a without a GPU; check and time them on one.")
@@ -19,16 +19,6 @@ out = Console()
 err = Console(stderr=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document instead of tables")]
-
-
-def _finite(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else "inf" if v > 0 else "-inf"
-    if isinstance(v, dict):
-        return {str(k): _finite(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_finite(x) for x in v]
-    return v
 
 
 def _need_cutedsl() -> None:
@@ -124,7 +114,7 @@ def check_cmd(shapes: Annotated[str, typer.Option(help="pro | flash | tiny (mode
         raise BadInput(f"--family {', '.join(bad)}: choose from {', '.join(Checker.FAMILIES)}")
     log = (lambda s: err.print(s, highlight=False)) if not as_json else (lambda s: print(s, file=sys.stderr))
     doc = run_checks(shapes, seq, bench, compile_baselines, log=log, families=tuple(family or ()) or None)
-    doc = _finite(doc)
+    doc = finite_json(doc)
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(doc, indent=1))

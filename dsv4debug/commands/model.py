@@ -15,6 +15,7 @@ from rich.table import Table
 from .. import api
 from ..backends.base import FAMILIES
 from ..errors import BadInput
+from . import print_json
 
 console = Console(stderr=True)
 out = Console()
@@ -137,7 +138,7 @@ def run(checkpoint: Path | None = CheckpointArg,
                "timings_s": result.timings,
                "capture": str(capture) if capture else None,
                "sites": [r.to_dict(result.options.budget) for r in result.sites]}
-        out.print_json(json.dumps(doc, default=_json_default))
+        print_json(doc)
     else:
         _print_verdict(result.verdict, result.missing_ops, candidate)
         if moe:
@@ -165,12 +166,6 @@ def _print_moe(result) -> None:
                   *("-" if r is None else f"{r['agreement_mean']:.3f}, {r['hard_flips']} hard / {r['ties']} ties"
                     for r in routing))
     out.print(t)
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return str(x)
 
 
 def bisect(checkpoint: Path | None = CheckpointArg,
@@ -202,7 +197,7 @@ def bisect(checkpoint: Path | None = CheckpointArg,
     results = run_bisect(model, ids, candidate, axis, reference=reference, device=device, qat=qat,
                          faults=[parse_fault(f) for f in inject], on_probe=show, **kw)
     if json_out:
-        out.print_json(json.dumps([r.to_dict() for r in results], default=_json_default))
+        print_json([r.to_dict() for r in results])
     else:
         for r in results:
             out.print(f"[bold]{r.axis}[/]: {r.message}", highlight=False)
@@ -221,7 +216,7 @@ def sites(preset: str | None = typer.Option(None, help="tiny | flash | pro (defa
     cfg = make_preset(preset) if preset else api.open_model(checkpoint).config
     table = site_table(cfg, seq_len)
     if json_out:
-        out.print_json(json.dumps(table))
+        print_json(table)
         return
     if markdown:
         print(f"# Sites of the `{cfg.name}` model at {seq_len} tokens\n\n"
@@ -258,7 +253,7 @@ def doctor(json_out: bool = typer.Option(False, "--json")) -> None:
     from ..backends.registry import available
     info["backends"] = available()
     if json_out:
-        out.print_json(json.dumps(info))
+        print_json(info)
         return
     t = Table(title="dsv4debug doctor")
     t.add_column("item")
@@ -302,7 +297,7 @@ def repro_run(repro_dir: Path = typer.Argument(..., help="A directory written by
     from ..repro import replay
     r = replay(repro_dir, candidate, inject, device, clean_weights=clean_weights)
     if json_out:
-        out.print_json(json.dumps(r, default=_json_default))
+        print_json(r)
     else:
         m = r["metrics"]
         mark = "[red]DIVERGES[/]" if r["diverged"] else "[green]within floor[/]"
