@@ -1,0 +1,206 @@
+"""Attention-path kernels on CPU (CI): sm_90a compiles, PTX contents, and the CPU model of the sparse
+attention kernel's arithmetic (kernels/sparse_attn.emulate) against dsv4_references.attention.sparse_attn.
+
+Nothing here runs a kernel: the kernels are compiled for sm_90a with fake tensors. The numerical tests run
+`emulate`, a torch model of the kernel's order of operations (block tiling, the two 256-dim partial score
+tiles, exp2-domain online softmax, bf16 P, fp32 accumulation, sink, KV splits and their combine), and the
+producer's FP8 dequantisation on the real cache bytes.
+"""
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="CuTeDSL (nvidia-cutlass-dsl 4.8.1) is not installed")
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import dsv4_references as ref
+from dsv4_kernels import kv_cache, sparse_attn
+from dsv4_kernels._common import REGISTRY, compile_kernel, config_key
+
+torch.set_num_threads(1)
+
+SA_CI = [("sparse_attn", c) for c in REGISTRY["sparse_attn"].ci()] + [("sparse_attn_combine", {"d": 512})]
+
+
+def _cos(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+# ---- compile ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,cfg", SA_CI, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in c.items())}" for n, c in SA_CI])
+def test_compiles_for_hopper(name, cfg):
+    from dsv4_kernels import _common
+    _common._CACHE.pop((name, config_key(cfg), "sm_90a"), None)
+    t0 = time.perf_counter()
+    assert compile_kernel(name, "sm_90a", **cfg) is not None
+    assert time.perf_counter() - t0 < 60
+
+
+def test_wgmma_kernel_is_hopper_only_and_configs_are_checked():
+    assert REGISTRY["sparse_attn"].archs == ("sm_90a",)
+    with pytest.raises(ValueError, match="not declared"):
+        compile_kernel("sparse_attn", "sm_100a", kv="fp8", bn=32, lookahead=2, split=False)
+    with pytest.raises(ValueError):
+        sparse_attn.SparseAttn(kv="fp4")
+    with pytest.raises(ValueError, match="shared memory"):
+        sparse_attn.SparseAttn(kv="fp8", bn=64, lookahead=4)
+
+
+def _ptx(build, **cfg) -> str:
+    from cutlass import cute
+    kern, args = build(**cfg)
+    return cute.compile[cute.GPUArch("sm_90a"), cute.KeepPTX](kern, *args).artifacts.PTX
+
+
+@pytest.fixture(scope="module")
+def fp8_ptx():
+    return _ptx(sparse_attn._build, kv="fp8", bn=32, lookahead=2, split=False)
+
+
+def test_ptx_sparse_attn_fp8(fp8_ptx):
+    ptx = fp8_ptx
+    wg = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    qk = [ln for ln in wg if "m64n32k16.f32.bf16.bf16" in ln]
+    pv = [ln for ln in wg if "m64n256k16.f32.bf16.bf16" in ln]
+    assert len(qk) == 16 and len(pv) == 2 and len(wg) == 18         # 256/16 k-steps of S; 32/16 of P.V
+    a_ops = [re.search(r"\}, \{([^}]*)\}", ln).group(1) for ln in pv]
+    assert all(len(re.findall(r"%r\d+", a)) == 4 for a in a_ops)   # P.V: A (P) from registers
+    assert "cvt.rn.f16x2.e4m3x2" in ptx                              # in-kernel FP8 dequantisation
+    assert "cp.async.ca.shared.global" in ptx and "cp.async.cg.shared.global" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert ".local" not in ptx                                       # no local-memory arrays
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+def test_ptxas_registers_and_no_spills(fp8_ptx, tmp_path):
+    # the DSL emits PTX ISA 9.4; the toolkit's ptxas may be older: the kernel uses nothing newer than 8.0
+    src = re.sub(r"^\.version \d+\.\d+", ".version 8.0", fp8_ptx, count=1, flags=re.M)
+    (tmp_path / "k.ptx").write_text(src)
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0 and "version" in out.stderr.lower():
+        pytest.skip(f"ptxas refuses the PTX version: {out.stderr.strip()[:200]}")
+    assert out.returncode == 0, out.stderr
+    info = out.stderr + out.stdout
+    assert "0 bytes spill stores, 0 bytes spill loads" in info
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    assert regs * sparse_attn.SparseAttn.threads <= 65536
+
+
+# ---- the producer's FP8 dequantisation is exact --------------------------------------------------------------
+
+def test_dequant_rows_is_kv_qat():
+    g = torch.Generator().manual_seed(0)
+    kv = (torch.randn(300, 512, generator=g) * torch.logspace(-3, 2, 300)[:, None]).bfloat16()
+    kv[5, :64] = 0                                                   # all-zero block (amax floor)
+    packed = kv_cache.reference_pack(kv)
+    got = sparse_attn.dequant_rows(packed)
+    assert torch.equal(got.view(torch.int16), kv_cache.reference_unpack(packed).view(torch.int16))
+    assert torch.equal(got.view(torch.int16), ref.kv_qat(kv, 64).view(torch.int16))
+    # re-quantising kv_qat'd rows is lossless, so the FP8 cache carries the flow's (QAT) KV exactly
+    again = sparse_attn.dequant_rows(kv_cache.reference_pack(got))
+    assert torch.equal(again.view(torch.int16), got.view(torch.int16))
+
+
+# ---- CPU model against the reference -------------------------------------------------------------------------
+
+def _problem(S, H, K, N, gen, q_gain=1.0, sink_gain=1.0, pad=0.1):
+    q = (torch.randn(S, H, 512, generator=gen) * q_gain).bfloat16()
+    kv = ref.kv_qat(torch.randn(N, 512, generator=gen).bfloat16(), 64)
+    idx = torch.randint(0, N, (S, K), generator=gen)
+    idx[torch.rand(S, K, generator=gen) < pad] = -1
+    sink = torch.randn(H, generator=gen) * sink_gain
+    return q, kv, idx, sink
+
+
+@pytest.mark.parametrize("q_gain", [1.0, 4.0])
+@pytest.mark.parametrize("K", [128, 200, 640])
+def test_emulate_matches_reference(K, q_gain):
+    g = torch.Generator().manual_seed(K)
+    q, kv, idx, sink = _problem(6, 16, K, 900, g, q_gain=q_gain)
+    scale = 512 ** -0.5
+    want = ref.sparse_attn(q, kv, sink, idx, scale)
+    got = sparse_attn.emulate(q, sparse_attn.rows_from_bf16(kv), idx, sink, scale)
+    assert _cos(got, want) >= 0.9999
+    assert (got.float() - want.float()).abs().max() <= 2 ** -6 * want.float().abs().max()
+
+
+def test_emulate_splits_agree_and_empty_rows_give_zero():
+    g = torch.Generator().manual_seed(1)
+    q, kv, idx, sink = _problem(4, 8, 640, 700, g)
+    idx[1] = -1                                                      # a token with no key at all
+    idx[2, :400] = -1                                                # whole splits empty for this token
+    scale = 512 ** -0.5
+    want = ref.sparse_attn(q, kv, sink, idx, scale)
+    assert float(want[1].float().abs().max()) == 0.0
+    one = sparse_attn.emulate(q, sparse_attn.rows_from_bf16(kv), idx, sink, scale)
+    for z in (2, 5, 20):
+        many = sparse_attn.emulate(q, sparse_attn.rows_from_bf16(kv), idx, sink, scale, num_splits=z)
+        assert _cos(many, want) >= 0.9999 and _cos(many, one) >= 0.99999
+        assert float(many[1].float().abs().max()) == 0.0
+
+
+def test_emulate_sink_is_raw_not_scaled():
+    g = torch.Generator().manual_seed(2)
+    q, kv, idx, _ = _problem(3, 8, 128, 300, g)
+    sink = torch.linspace(-4, 6, 8)                                  # from negligible to dominant
+    scale = 512 ** -0.5
+    got = sparse_attn.emulate(q, sparse_attn.rows_from_bf16(kv), idx, sink, scale)
+    assert _cos(got, ref.sparse_attn(q, kv, sink, idx, scale)) >= 0.9999
+    assert _cos(got, ref.sparse_attn(q, kv, sink * scale, idx, scale)) < 0.999
+
+
+def _paged(rows, block_size, gen):
+    """rows [n, 512] -> (cache [nb, bs, 584] with shuffled blocks, slot of each row)."""
+    n = rows.size(0)
+    nb = max(1, -(-n // block_size))
+    perm = torch.randperm(nb + 1, generator=gen)[:nb]
+    cache = torch.zeros(nb + 1, block_size, sparse_attn.ROW_BYTES, dtype=torch.uint8)
+    pos = torch.arange(n)
+    slots = perm[pos // block_size] * block_size + pos % block_size
+    cache.view(-1, sparse_attn.ROW_BYTES)[slots] = kv_cache.reference_pack(rows)
+    return cache, slots
+
+
+def test_emulate_fp8_paged_two_caches_matches_reference():
+    """The serving layout: window KV and compressed entries in two paged FP8 caches, idx translated to slots
+    (v < slots(A) in A, else B); the result equals the reference on the flow's joint KV (QAT rows)."""
+    g = torch.Generator().manual_seed(3)
+    S, T, H = 40, 10, 16
+    win = ref.kv_qat(torch.randn(S, 512, generator=g).bfloat16(), 64)
+    comp = ref.kv_qat(torch.randn(T, 512, generator=g).bfloat16(), 64)
+    kv = torch.cat([win, comp])
+    idx = ref.assemble_idxs(ref.window_idxs(S, 16), ref.causal_compressed_idxs(S, 4)[:, :T], S)
+    q = torch.randn(S, H, 512, generator=g).bfloat16()
+    sink = torch.randn(H, generator=g)
+    ca, sa = _paged(win, 16, g)
+    cb, sb = _paged(comp, 16, g)
+    n_a = ca.numel() // sparse_attn.ROW_BYTES
+    slot_idx = torch.where(idx < 0, idx, torch.where(idx < S, sa[idx.clamp(0, S - 1)],
+                                                     n_a + sb[(idx - S).clamp(0, T - 1)]))
+    scale = 512 ** -0.5
+    want = ref.sparse_attn(q, kv, sink, idx, scale)
+    got = sparse_attn.emulate(q, sparse_attn.rows_from_fp8(ca, cb), slot_idx, sink, scale)
+    assert _cos(got, want) >= 0.9999
+    # slots past the end of B are skipped like -1
+    bad = slot_idx.clone()
+    bad[:, -1] = n_a + cb.numel() // sparse_attn.ROW_BYTES + 5
+    skip = slot_idx.clone()
+    skip[:, -1] = -1
+    assert torch.equal(sparse_attn.emulate(q, sparse_attn.rows_from_fp8(ca, cb), bad, sink, scale),
+                       sparse_attn.emulate(q, sparse_attn.rows_from_fp8(ca, cb), skip, sink, scale))
+
+
+def test_choose_splits():
+    assert sparse_attn.choose_splits(4096, 128, 1152) == 1          # prefill: many CTAs
+    assert sparse_attn.choose_splits(1, 64, 640) == 5                # decode: 20 blocks, >= 4 a split
+    assert sparse_attn.choose_splits(1, 128, 8320) == 64             # long HCA decode: capped
+    assert sparse_attn.choose_splits(64, 64, 640) == 3
