@@ -47,7 +47,7 @@ import math
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8, cute, pipeline
+from cutlass import BFloat16, Float32, Int32, Int64, cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ._common import KernelDef, bits_f32, fake_ptr, fake_stream, register
@@ -675,6 +675,43 @@ def sparse_attn_fp8(q, idx, sink, cache_a, scale: float, cache_b=None, num_split
     return _launch("fp8", q, idx, sink, cache_a, cache_b, n_a, n_b, scale, num_splits, bn)
 
 
+def page_rows(rows, block_size: int = 64, generator=None):
+    """Quantise rows [n, 512] bf16 into a fresh paged FP8 cache [nb + 1, block_size, 584] whose blocks are in
+    shuffled order (kernels/kv_cache.write); returns (cache, slot of each row, int64 [n])."""
+    import torch
+
+    from . import kv_cache
+    n = rows.size(0)
+    nb = max(1, -(-n // block_size))
+    cache = kv_cache.new_cache(nb + 1, block_size, device=rows.device)
+    perm = torch.randperm(nb + 1, generator=generator)[:nb].to(rows.device)
+    pos = torch.arange(n, device=rows.device)
+    slots = perm[pos // block_size] * block_size + pos % block_size
+    if n:
+        kv_cache.write(rows.contiguous(), slots, cache)
+    return cache, slots
+
+
+def sparse_attn_paged(q, kv, sink, idx, scale: float, n_window: int | None = None, block_size: int = 64,
+                      generator=None, num_splits: int | None = None):
+    """The flow's op on the serving path: kv [N, 512] = [window KV (n_window rows, default q.size(0));
+    compressed entries] is written into two paged FP8 caches (window, compressed), idx (rows of kv, -1 skip)
+    is translated to cache slots with torch, and the FP8 kernel attends over the caches."""
+    import torch
+    S = q.size(0) if n_window is None else n_window
+    win, comp = kv[:S], kv[S:]
+    ca, sa = page_rows(win, block_size, generator)
+    cb, sb = page_rows(comp, block_size, generator) if comp.size(0) else (None, None)
+    n_a = ca.numel() // ROW_BYTES
+    v = idx.to(device=q.device, dtype=torch.int64)
+    slot = torch.where(v < S, sa[v.clamp(0, max(S - 1, 0))], v)
+    if cb is not None:
+        T = comp.size(0)
+        slot = torch.where(v >= S, n_a + sb[(v - S).clamp(0, T - 1)], slot)
+    slot = torch.where((v < 0) | (v >= kv.size(0)), torch.full_like(v, -1), slot)
+    return sparse_attn_fp8(q, slot, sink, ca, scale, cb, num_splits)
+
+
 # --------------------------------------------------------------------------------------------------------
 # CPU model of the kernel's arithmetic (tiling, exchange, online softmax, bf16 P, sink, splits)
 # --------------------------------------------------------------------------------------------------------
@@ -705,25 +742,28 @@ def emulate(q, rows_of, idx, sink, scale: float, bn: int = 32, num_splits: int =
     K = idx.size(1)
     nblk = max(-(-K // bn), 1)
     bps = -(-nblk // num_splits)
-    sl2 = torch.tensor(scale * LOG2E, dtype=torch.float32)
+    dev = q.device
+    sl2 = torch.tensor(scale * LOG2E, dtype=torch.float32, device=dev)
     qf = q.float()
-    snk = sink.float() * torch.tensor(LOG2E, dtype=torch.float32)           # [H]
+    snk = sink.float().to(dev) * torch.tensor(LOG2E, dtype=torch.float32, device=dev)   # [H]
+    zero = torch.zeros((), device=dev)
+    ninf = torch.full((), float("-inf"), device=dev)
     parts, lses = [], []
     nz = -(-nblk // bps)
     for z in range(nz):
-        m = torch.full((S, H), float("-inf"))
-        lsum = torch.zeros(S, H)
-        acc = torch.zeros(S, H, d)
+        m = torch.full((S, H), float("-inf"), device=dev)
+        lsum = torch.zeros(S, H, device=dev)
+        acc = torch.zeros(S, H, d, device=dev)
         for b in range(z * bps, min(nblk, (z + 1) * bps)):
-            cols = torch.arange(b * bn, (b + 1) * bn)
-            v = torch.where(cols[None, :] < K, idx[:, cols.clamp(max=K - 1)].long(), torch.full((1,), -1))
+            cols = torch.arange(b * bn, (b + 1) * bn, device=dev)
+            v = torch.where(cols[None, :] < K, idx[:, cols.clamp(max=K - 1)].long(), -1)
             rows, valid = rows_of(v)
-            rows = torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype)).float()
+            rows = torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype, device=dev)).float()
             s = torch.einsum("shd,snd->shn", qf[..., :256], rows[..., :256]) + \
                 torch.einsum("shd,snd->shn", qf[..., 256:], rows[..., 256:])
             t = (s * sl2).masked_fill(~valid[:, None, :], float("-inf"))
             m_new = torch.maximum(m, t.amax(-1))
-            m_use = torch.where(m_new == float("-inf"), torch.zeros(()), m_new)
+            m_use = torch.where(m_new == float("-inf"), zero, m_new)
             alpha = torch.exp2(m - m_use)
             p = torch.exp2(t - m_use[..., None])
             lsum = lsum * alpha + p.sum(-1)
@@ -731,13 +771,13 @@ def emulate(q, rows_of, idx, sink, scale: float, bn: int = 32, num_splits: int =
             m = m_new
         if num_splits == 1:
             mf = torch.maximum(m, snk[None, :])
-            mf = torch.where(mf == float("-inf"), torch.zeros(()), mf)
+            mf = torch.where(mf == float("-inf"), zero, mf)
             em = torch.exp2(m - mf)
             den = lsum * em + torch.exp2(snk[None, :] - mf)
             return (acc * (em / den)[..., None]).bfloat16()
         ok = lsum > 0
-        parts.append(torch.where(ok[..., None], acc / lsum.clamp(min=1e-30)[..., None], torch.zeros(())))
-        lses.append(torch.where(ok, m + torch.log2(lsum.clamp(min=1e-30)), torch.full((), float("-inf"))))
+        parts.append(torch.where(ok[..., None], acc / lsum.clamp(min=1e-30)[..., None], zero))
+        lses.append(torch.where(ok, m + torch.log2(lsum.clamp(min=1e-30)), ninf))
     L = torch.stack(lses)                                                  # [Z, S, H]
     mx = torch.maximum(L.amax(0), snk[None, :])
     w = torch.exp2(L - mx)                                                  # 0 for empty splits
@@ -760,7 +800,7 @@ def rows_from_fp8(cache_a, cache_b=None):
     a = cache_a.reshape(-1, ROW_BYTES)
     b = cache_b.reshape(-1, ROW_BYTES) if cache_b is not None else a[:0]
     both = torch.cat([a, b], 0)
-    table = dequant_rows(both) if both.numel() else torch.zeros(0, 512, dtype=torch.bfloat16)
+    table = dequant_rows(both) if both.numel() else torch.zeros(0, 512, dtype=torch.bfloat16, device=a.device)
 
     def rows_of(v):
         ok = (v >= 0) & (v < both.size(0))

@@ -82,10 +82,10 @@ def test_ptx_sparse_attn_fp8(fp8_ptx):
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
 def test_ptxas_registers_and_no_spills(fp8_ptx, tmp_path):
     # the DSL emits PTX ISA 9.4; the toolkit's ptxas may be older: the kernel uses nothing newer than 8.0
-    src = re.sub(r"^\.version \d+\.\d+", ".version 8.0", fp8_ptx, count=1, flags=re.M)
+    src = re.sub(r"^\.version \d+\.\d+", ".version 8.0", fp8_ptx, count=1, flags=re.MULTILINE)
     (tmp_path / "k.ptx").write_text(src)
     out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
-                         capture_output=True, text=True, timeout=120)
+                         check=False, capture_output=True, text=True, timeout=120)
     if out.returncode != 0 and "version" in out.stderr.lower():
         pytest.skip(f"ptxas refuses the PTX version: {out.stderr.strip()[:200]}")
     assert out.returncode == 0, out.stderr
@@ -204,3 +204,95 @@ def test_choose_splits():
     assert sparse_attn.choose_splits(1, 64, 640) == 5                # decode: 20 blocks, >= 4 a split
     assert sparse_attn.choose_splits(1, 128, 8320) == 64             # long HCA decode: capped
     assert sparse_attn.choose_splits(64, 64, 640) == 3
+
+
+def test_paged_glue_with_torch_stand_ins(monkeypatch):
+    """sparse_attn_paged (the kernels backend's op): paging of window and compressed rows, slot translation,
+    skipped ids; the two kernels replaced by torch stand-ins (reference_pack, emulate)."""
+    def write(kv, slots, cache, rope=64):
+        cache.view(-1, cache.size(-1))[slots] = kv_cache.reference_pack(kv, rope)
+        return cache
+
+    seen = {}
+
+    def fp8(q, slot, sink, ca, scale, cb=None, num_splits=None):
+        seen["slot"] = slot
+        return sparse_attn.emulate(q, sparse_attn.rows_from_fp8(ca, cb), slot, sink, scale)
+
+    monkeypatch.setattr(kv_cache, "write", write)
+    monkeypatch.setattr(sparse_attn, "sparse_attn_fp8", fp8)
+    g = torch.Generator().manual_seed(4)
+    for S, ratio in ((70, 4), (70, 128), (150, 0)):
+        T = S // ratio if ratio else 0
+        kv = ref.kv_qat(torch.randn(S + T, 512, generator=g).bfloat16(), 64)
+        idx = ref.window_idxs(S, 128)
+        if ratio:
+            idx = ref.assemble_idxs(idx, ref.causal_compressed_idxs(S, ratio), S)
+        q = torch.randn(S, 4, 512, generator=g).bfloat16()
+        sink = torch.randn(4, generator=g)
+        got = sparse_attn.sparse_attn_paged(q, kv, sink, idx, 512 ** -0.5, block_size=16, generator=g)
+        want = ref.sparse_attn(q, kv, sink, idx, 512 ** -0.5)
+        assert _cos(got, want) >= 0.9999, (S, ratio)
+        assert torch.equal(seen["slot"] < 0, idx < 0)
+
+
+@pytest.fixture
+def torch_attn_kernels(monkeypatch):
+    """The attention kernels replaced by their CPU models (emulate on the caches / rows they would read)."""
+    def write(kv, slots, cache, rope=64):
+        cache.view(-1, cache.size(-1))[slots] = kv_cache.reference_pack(kv, rope)
+        return cache
+
+    def fp8(q, slot, sink, ca, scale, cb=None, num_splits=None):
+        return sparse_attn.emulate(q, sparse_attn.rows_from_fp8(ca, cb), slot, sink, scale,
+                                   num_splits=num_splits or 1)
+
+    def bf16(q, kv, idx, sink, scale, num_splits=None, bn=32):
+        return sparse_attn.emulate(q, sparse_attn.rows_from_bf16(kv), idx, sink, scale, num_splits=num_splits or 1)
+
+    monkeypatch.setattr(kv_cache, "write", write)
+    monkeypatch.setattr(sparse_attn, "sparse_attn_fp8", fp8)
+    monkeypatch.setattr(sparse_attn, "sparse_attn_bf16", bf16)
+
+
+def test_check_harness_dry_run_on_cpu(torch_attn_kernels):
+    from dsv4_kernels import check_attn as C
+    probe = C.single_key_probe("flash", S=8, device="cpu")
+    assert probe["passed"], probe
+    for layer in ("swa", "hca", "csa"):
+        p = C.make_prefill("flash", layer, 300, device="cpu")
+        p["q"] = p["q"][-6:]                                             # the last tokens see the most keys
+        p["idx"], p["S"] = p["idx"][-6:], 6
+        for fmt, ns in (("fp8", None), ("bf16", 3)):
+            row = C.check_case(p, fmt, ns)
+            assert row["passed"], row
+        assert row["K"] == {"swa": 128, "hca": 128 + 2, "csa": 128 + 75}[layer]
+    d = C.make_decode("pro", "csa", B=2, L=4096, device="cpu")
+    assert d["idx"].shape == (2, 128 + 1024) and C.flops(d) == 2 * 1152 * 128 * 2048
+    d["q"] = d["q"][:, :8]
+    d["sink"], d["H"] = d["sink"][:8], 8
+    assert C.check_case(d, "fp8", 4)["passed"]
+    # the torch baseline is the same math
+    assert C.cos(C.torch_baseline(d), ref.sparse_attn(d["q"], d["kv"], d["sink"], d["idx"], 512 ** -0.5)) > 0.9999
+
+
+def test_check_bars_catch_a_wrong_kernel(torch_attn_kernels, monkeypatch):
+    from dsv4_kernels import check_attn as C
+    good = sparse_attn.sparse_attn_fp8
+
+    def sink_scaled(q, slot, sink, ca, scale, cb=None, num_splits=None):  # a classic bug: sink * scale
+        return good(q, slot, sink * scale, ca, scale, cb, num_splits)
+
+    def dropped_rope(q, slot, sink, ca, scale, cb=None, num_splits=None):  # a layout bug: rope dims lost
+        o = good(q, slot, sink, ca, scale, cb, num_splits).clone()
+        o[..., 448:] = 0
+        return o
+
+    p = C.make_prefill("flash", "hca", 300, device="cpu")
+    p["q"], p["idx"], p["S"] = p["q"][-4:], p["idx"][-4:], 4
+    p["sink"] = p["sink"] * 3
+    for bad in (sink_scaled, dropped_rope):
+        monkeypatch.setattr(sparse_attn, "sparse_attn_fp8", bad)
+        assert not C.check_case(p, "fp8")["passed"], bad.__name__
+    monkeypatch.setattr(sparse_attn, "sparse_attn_fp8", dropped_rope)
+    assert not C.single_key_probe("flash", S=4, device="cpu")["passed"]

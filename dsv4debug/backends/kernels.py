@@ -12,7 +12,9 @@ linear (gemm_fp8, gemm_w4a16): FP8 weights -> per-1x128 FP8 activations and the 
 NVFP4/MXFP4 weights -> W4A16 (weights packed once per stage by kernels/w4_pack); bf16 weights have no kernel
 (the op raises). expert: NVFP4/MXFP4 experts -> fused w1|w3 W4A16 GEMM with the SwiGLU/clamp/routing-weight
 epilogue, then w2; FP8 experts (the shared expert) -> three FP8 linears with the SwiGLU in torch (said here).
-Not implemented: embed, grouped_linear, logits, compressor, indexer_*, sparse_attn, gate, moe_combine. The
+sparse_attn (sparse_attn): the joint KV paged into two FP8 caches (window rows, compressed rows) by kv_cache's
+write kernel, the index list translated to cache slots with torch, then the WGMMA attention kernel.
+Not implemented: embed, grouped_linear, logits, compressor, indexer_*, gate, moe_combine. The
 kernels take bf16 activations (the serving dtype): the fp32/fp64 twins stay on the reference.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ KERNEL_MODULES = {
     "kv_cache": "dsv4_kernels.kv_cache", "hc_pre": "dsv4_kernels.mhc", "hc_post": "dsv4_kernels.mhc",
     "hc_head": "dsv4_kernels.mhc", "linear": "dsv4_kernels.gemm_fp8 | dsv4_kernels.gemm_w4a16",
     "expert": "dsv4_kernels.gemm_w4a16 (+ gemm_fp8 for the shared expert)",
+    "sparse_attn": "dsv4_kernels.sparse_attn (+ kv_cache write)",
 }
 
 
@@ -88,6 +91,12 @@ class KernelsBackend(Backend):
     def kv_cache(self, kv, *, rope_dim, qat):
         out, _, _ = self._kv.round_trip(self._bf16(kv, "kv_cache"), rope_dim, self.kv_block_size, self._gen)
         return out
+
+    # ---- sparse attention over the FP8 paged caches (kernels/sparse_attn.py)
+    def sparse_attn(self, q, kv, sink, idx, *, scale):
+        from dsv4_kernels import sparse_attn as sa
+        return sa.sparse_attn_paged(self._bf16(q, "sparse_attn"), self._bf16(kv, "sparse_attn"), self.param(sink),
+                                    idx, scale, block_size=self.kv_block_size, generator=self._gen)
 
     # ---- mHC
     def hc_pre(self, x, fn, scale, base, *, iters, norm_eps, hc_eps):
