@@ -14,6 +14,8 @@ Phases (each writes DIR/<phase>.json; the driver writes DIR/attention.json and p
           with the sink column + bf16 bmm) per layer type and shape: prefill 4096 tokens as % of the bf16 MMA
           rate on the required FLOPs (cuBLAS 8192^3 measured in the same run, and the 989 TFLOP/s spec),
           decode (1 / 16 / 64 sequences at 64K context) as % of the device copy bandwidth on the KV bytes read
+          indexer scores and top-k at 16384 tokens against the torch formulation (einsum, relu, weighted head
+          sum, torch.topk)
   pytest  tests/test_kernels_attn_gpu.py
 A hung or crashing kernel costs one phase (timeout), not the run. Timing: CUDA-graph replay, median.
 """
@@ -118,6 +120,11 @@ def phase_check() -> dict:
             rows.append(box["row"])
             log("  " + _short(box["row"]))
         del p
+    for shape, S in (("flash", 4096), ("pro", 8192)):
+        box = {}
+        _try(box, "row", lambda shape=shape, S=S: {"op": "indexer", **C.check_indexer(C.make_indexer(shape, S, seed=23))})
+        rows.append(box["row"])
+        log("  indexer " + " ".join(f"{k}={v}" for k, v in box["row"].items() if k not in ("traceback",)))
     return {"rows": rows, "passed": all(x.get("passed") for x in rows)}
 
 
@@ -145,6 +152,13 @@ def phase_bench() -> dict:
                 f"{row['tflops']:.1f} TFLOP/s = {row['pct_of_cublas_bf16']:.1f}% of cuBLAS bf16, "
                 f"{row['gbps']:.0f} GB/s = {row['pct_of_copy_bw']:.1f}% of copy")
         del p
+        torch.cuda.empty_cache()
+    for shape, S in (("flash", 16384), ("pro", 16384)):
+        box = {}
+        _try(box, "row", lambda shape=shape, S=S: C.bench_indexer(C.make_indexer(shape, S, seed=33), peaks))
+        rows.append(box["row"])
+        log("  indexer " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in box["row"].items() if k != "traceback"))
         torch.cuda.empty_cache()
     return {"peaks": peaks, "rows": rows}
 

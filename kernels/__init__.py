@@ -6,12 +6,13 @@
     kv_cache   FP8 paged KV cache: quantise + write by slot mapping, read by block table + dequantise
     mhc        mHC pre (mixes, sigmoid, softmax + Sinkhorn, weighted stream sum) and post
     sparse_attn  MQA sparse attention with sinks over gathered FP8-cache / bf16 rows (WGMMA, sm_90a)
+    indexer    lightning indexer scores (WGMMA, sm_90a) and causal top-k (radix select)
 
 Each module registers its kernels (name, family, target archs, representative configurations) in
 `_common.REGISTRY` and has torch-facing launchers. `compile.compile_all` compiles them without a GPU.
 Importing this package does not import CuTeDSL; importing a family module does.
 """
-FAMILY_MODULES = ("norm", "rope", "nvfp4", "kv_cache", "mhc", "gemm_fp8", "gemm_w4a16", "sparse_attn")
+FAMILY_MODULES = ("norm", "rope", "nvfp4", "kv_cache", "mhc", "gemm_fp8", "gemm_w4a16", "sparse_attn", "indexer")
 
 
 def load_all():

@@ -286,3 +286,88 @@ def bench_case(p: dict, peaks: dict, reps: int = 20) -> dict[str, Any]:
     row["gbps_issued"] = kv_bytes(p, "fp8", per_head_group=True) / t / 1e9
     return row
 
+
+
+# --------------------------------------------------------------------------------------------------------
+# Indexer
+# --------------------------------------------------------------------------------------------------------
+
+BAR_TOPK_AGREEMENT = 0.99
+
+
+def make_indexer(shape: str, S: int, device="cuda", seed: int = 0) -> dict:
+    """The CSA indexer's inputs as the flow makes them: q = indexer_q (rope, Hadamard, FP4 sim) of 64 heads x
+    128, k = the indexer compressor's FP4-simulated Hadamard-rotated entries [S/4, 128], w = weights_proj
+    output times 128^-0.5 * 64^-0.5 (bf16)."""
+    import dsv4_references as ref
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T = S // 4
+    freqs = ref.rope_freqs(S, 64, 160000.0, 65536, 16.0).to(device)
+    q = ref.indexer_q(torch.randn(S, 64, 128, generator=gen, device=device).bfloat16(), freqs)
+    k = ref.fp4_sim(ref.rotate_activation(torch.randn(T, 128, generator=gen, device=device).bfloat16()), 32)
+    w = (torch.randn(S, 64, generator=gen, device=device) * 0.5).bfloat16() * (128 ** -0.5 * 64 ** -0.5)
+    return {"q": q, "k": k, "w": w, "S": S, "T": T, "topk": SHAPES[shape]["topk"], "shape": shape}
+
+
+def check_indexer(p: dict) -> dict[str, Any]:
+    """Scores kernel vs the bf16 reference; top-k kernel on the reference scores vs its exact model (the
+    selection itself), and the whole kernel pipeline's ids vs the reference's (set agreement, flips whose
+    reference score gap is within two bf16 ulps of the k-th score are ties)."""
+    import dsv4_references as ref
+
+    from dsv4debug.metrics import index_agreement
+
+    from . import indexer as IX
+    want_s = ref.indexer_scores(p["q"], p["k"], p["w"], 4)
+    got_s = IX.indexer_scores(p["q"], p["k"], p["w"], 4)
+    fin = torch.isfinite(want_s)
+    row: dict[str, Any] = {"shape": p["shape"], "S": p["S"], "T": p["T"], "k": p["topk"]}
+    row["scores_inf_match"] = bool(torch.equal(torch.isinf(got_s), torch.isinf(want_s)))
+    d = (got_s[fin].float() - want_s[fin].float()).abs()
+    row["scores_exact_frac"] = float((d == 0).float().mean()) if d.numel() else 1.0
+    row["scores_max_err_rel"] = float(d.max() / want_s[fin].float().abs().max()) if d.numel() else 0.0
+    row["scores_cos"] = cos(got_s[fin], want_s[fin]) if d.numel() else 1.0
+    ids_model = IX.topk_model(want_s.cpu(), p["topk"], 4)
+    ids_kernel_on_ref = IX.indexer_topk(want_s, p["topk"], ratio=4).cpu()
+    row["topk_kernel_equals_model"] = bool(torch.equal(ids_kernel_on_ref, ids_model))
+    want_ids = ref.indexer_topk(want_s, p["topk"])
+    got_ids = IX.indexer_topk(got_s, p["topk"], ratio=4)
+    kth = want_s.float().topk(min(p["topk"], p["T"]), -1).values[:, -1]
+    kth = kth[torch.isfinite(kth)]
+    margin = 2 * 2.0 ** -7 * float(kth.abs().median()) if kth.numel() else 0.0
+    agr = index_agreement(want_ids, got_ids, want_s.float().nan_to_num(neginf=-1e30), tie_margin=margin)
+    row.update(topk_agreement=agr["agreement_mean"], topk_flips=agr["flips"], topk_hard_flips=agr["hard_flips"],
+               tie_margin=margin)
+    row["passed"] = (row["scores_inf_match"] and row["scores_cos"] >= 0.9999 and row["topk_kernel_equals_model"]
+                     and row["topk_agreement"] >= BAR_TOPK_AGREEMENT and row["topk_hard_flips"] == 0)
+    return row
+
+
+def bench_indexer(p: dict, peaks: dict, reps: int = 10) -> dict[str, Any]:
+    """Scores kernel vs the torch formulation (chunked einsum + relu + weighted head sum, bf16), top-k kernel
+    vs torch.topk, at the problem's causal shape. FLOPs counted over the visible (s, t) pairs only."""
+    from . import indexer as IX
+    q, k, w = p["q"], p["k"], p["w"]
+    S, T = p["S"], p["T"]
+    row: dict[str, Any] = {"op": "indexer", "shape": p["shape"], "S": S, "T": T, "k": p["topk"]}
+    t, how = time_fn(lambda: IX.indexer_scores(q, k, w, 4), reps)
+    row.update(scores_s=t, timing=how)
+
+    def torch_scores(chunk=1024):
+        out = torch.empty(S, T, dtype=torch.bfloat16, device=q.device)
+        for a in range(0, S, chunk):
+            s = torch.einsum("shd,td->sht", q[a:a + chunk], k).relu()
+            out[a:a + chunk] = (s * w[a:a + chunk].unsqueeze(-1)).sum(1)
+        vis = torch.arange(T, device=q.device)[None, :] < (torch.arange(S, device=q.device)[:, None] + 1) // 4
+        return out.masked_fill_(~vis, float("-inf"))
+    tt, _ = time_fn(torch_scores, max(2, reps // 3), graph=False)
+    row.update(scores_torch_s=tt, scores_speedup=tt / t)
+    visible = sum(min(T, (s + 1) // 4) for s in range(S))
+    row["scores_tflops"] = visible * 64 * 128 * 2 / t / 1e12
+    row["scores_pct_of_cublas_bf16"] = 100 * row["scores_tflops"] / peaks["cublas_bf16_tflops"]
+    sc = IX.indexer_scores(q, k, w, 4)
+    tk, _ = time_fn(lambda: IX.indexer_topk(sc, p["topk"], ratio=4), reps)
+    tkt, _ = time_fn(lambda: sc.topk(min(p["topk"], T), -1), reps)
+    row.update(topk_s=tk, topk_torch_s=tkt, topk_speedup=tkt / tk)
+    row["topk_gbps"] = visible * 2 * 3 / tk / 1e9                  # three passes over the visible scores
+    return row

@@ -296,3 +296,127 @@ def test_check_bars_catch_a_wrong_kernel(torch_attn_kernels, monkeypatch):
         assert not C.check_case(p, "fp8")["passed"], bad.__name__
     monkeypatch.setattr(sparse_attn, "sparse_attn_fp8", dropped_rope)
     assert not C.single_key_probe("flash", S=4, device="cpu")["passed"]
+
+
+# ---- indexer: compile and CPU models ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,cfg", [("indexer_scores", {"tokens_per_cta": 32}), ("indexer_topk", {})])
+def test_indexer_compiles_for_hopper(name, cfg):
+    from dsv4_kernels import _common, indexer  # noqa: F401 - registers the kernels
+    _common._CACHE.pop((name, config_key(cfg), "sm_90a"), None)
+    assert compile_kernel(name, "sm_90a", **cfg) is not None
+
+
+def test_indexer_ptx():
+    from dsv4_kernels import indexer
+    ptx = _ptx(indexer._build_scores)
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 8     # K = 128
+    assert "cvt.rn.bf16.f32" in ptx                   # the reference's bf16 rounding points are kept
+    top = _ptx(indexer._build_topk)
+    assert "atom.shared.cta.add" in top and "vote.sync.ballot" in top and "popc" in top
+
+
+def _indexer_problem(S, T, gen, ratio=4):
+    import dsv4_references as ref
+    q = ref.indexer_q(torch.randn(S, 64, 128, generator=gen).bfloat16(),
+                      ref.rope_freqs(S, 64, 160000.0, 65536, 16.0))
+    k = ref.fp4_sim(ref.rotate_activation(torch.randn(T, 128, generator=gen).bfloat16()), 32)
+    w = (torch.randn(S, 64, generator=gen) * 0.5).bfloat16() * (128 ** -0.5 * 64 ** -0.5)
+    return q, k, w
+
+
+def test_scores_model_is_the_reference():
+    """The scores kernel's rounding points are the reference's: the model equals the bf16 reference except
+    for fp32 summation order (at most one bf16 rounding apart, almost always identical)."""
+    from dsv4_kernels import indexer
+    g = torch.Generator().manual_seed(5)
+    S, T = 40, 10
+    q, k, w = _indexer_problem(S, T, g)
+    want = ref.indexer_scores(q, k, w, 4)
+    got = indexer.scores_model(q, k, w, 4)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    d = (got[fin].float() - want[fin].float()).abs()
+    assert float(d.max()) <= 2 ** -8 * float(want[fin].float().abs().max())
+    assert float((d == 0).float().mean()) > 0.9
+
+
+@pytest.mark.parametrize("ratio", [0, 4])
+def test_topk_model_selects_torch_topk_values(ratio):
+    """Same multiset of selected scores as torch.topk (ties at the k-th value may pick other ids), -1 where
+    fewer than k entries are finite; ids above the k-th value first, then the tied ones, each ascending."""
+    from dsv4_kernels import indexer
+    g = torch.Generator().manual_seed(6)
+    S, T, k = 300, 700, 64
+    scores = torch.randn(S, T, generator=g).bfloat16()                # bf16: many exact ties
+    scores[:, ::7] = scores[:, 3:4]                                     # more ties
+    if ratio:
+        vis = torch.arange(T)[None, :] < (torch.arange(S)[:, None] + 1) // ratio
+        scores = scores.masked_fill(~vis, float("-inf"))
+    scores[5, :] = float("-inf")
+    got = indexer.topk_model(scores, k, ratio)
+    want = ref.indexer_topk(scores, k)
+    assert got.shape == want.shape
+    assert torch.equal((got < 0).sum(1), (want < 0).sum(1))
+    for s in range(S):
+        gi, wi = got[s][got[s] >= 0], want[s][want[s] >= 0]
+        vals = scores[s, gi].float()
+        assert torch.equal(vals.sort().values, scores[s, wi].float().sort().values)
+        if int(torch.isfinite(scores[s].float()).sum()) <= k:   # every finite entry: ascending ids
+            assert torch.equal(gi, gi.sort().values)
+        else:                                         # ids above the k-th value, then the tied ones, ascending
+            above = vals > vals.min()
+            n_above = int(above.sum())
+            assert bool(above[:n_above].all())
+            for part in (gi[:n_above], gi[n_above:]):
+                assert torch.equal(part, part.sort().values)
+
+
+def test_topk_model_without_ties_is_exactly_the_set():
+    from dsv4_kernels import indexer
+    g = torch.Generator().manual_seed(7)
+    S, T, k = 50, 2000, 512
+    perm = torch.stack([torch.randperm(T, generator=g) for _ in range(S)])
+    scores = (perm.to(torch.int16) + 0x3000).view(torch.bfloat16)      # consecutive bf16 patterns: distinct
+    got = indexer.topk_model(scores, k)
+    want = ref.indexer_topk(scores, k)
+    assert torch.equal(got.sort(1).values, want.sort(1).values)
+
+
+def test_indexer_check_dry_run_on_cpu(monkeypatch):
+    """The indexer check with the kernels replaced by their CPU models passes; a top-k kernel that breaks
+    ties differently from its model, or a scores kernel that drops the relu, fails it."""
+    from dsv4_kernels import check_attn as C
+    from dsv4_kernels import indexer as IX
+    monkeypatch.setattr(IX, "indexer_scores", lambda q, k, w, ratio, tokens_per_cta=32: IX.scores_model(q, k, w, ratio))
+    monkeypatch.setattr(IX, "indexer_topk", lambda s, k, ratio=0: IX.topk_model(s, k, ratio))
+    p = C.make_indexer("flash", 600, device="cpu")
+    p["topk"] = 64
+    row = C.check_indexer(p)
+    assert row["passed"], row
+    monkeypatch.setattr(IX, "indexer_topk", lambda s, k, ratio=0: ref.indexer_topk(s, k))
+    assert not C.check_indexer(p)["topk_kernel_equals_model"]
+    monkeypatch.setattr(IX, "indexer_topk", lambda s, k, ratio=0: IX.topk_model(s, k, ratio))
+    monkeypatch.setattr(IX, "indexer_scores", lambda q, k, w, ratio, tokens_per_cta=32:
+                        ref.indexer_scores(q, k, w, ratio) + ref.indexer_scores(-q, k, w, ratio))
+    assert not C.check_indexer(p)["passed"]
+
+
+def test_scores_op_pads_heads_and_scales_weights(monkeypatch):
+    """The backend's indexer_scores glue (weight scale in bf16, heads padded to 64) on the kernel's CPU model
+    equals the reference backend's op up to summation order."""
+    from dsv4_kernels import indexer as IX
+    monkeypatch.setattr(IX, "indexer_scores", lambda q, k, w, ratio, tokens_per_cta=32: IX.scores_model(q, k, w, ratio))
+    g = torch.Generator().manual_seed(11)
+    S, T, IH = 60, 15, 4
+    q = torch.randn(S, IH, 128, generator=g).bfloat16()
+    k = torch.randn(T, 128, generator=g).bfloat16()
+    w = torch.randn(S, IH, generator=g).bfloat16()
+    scale = 128 ** -0.5 * IH ** -0.5
+    got = IX.scores_op(q, k, w, 4, scale)
+    want = ref.indexer_scores(q, k, w * scale, 4)
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert float((got[fin].float() - want[fin].float()).abs().max()) <= 2 ** -8 * float(want[fin].float().abs().max())
+    with pytest.raises(ValueError):
+        IX.scores_op(torch.zeros(2, 65, 128).bfloat16(), k, torch.zeros(2, 65).bfloat16(), 4, 1.0)

@@ -95,3 +95,62 @@ def test_backend_sparse_attn_matches_reference_backend():
     got = kb.sparse_attn(p["q"], p["kv"], sink, p["idx"], scale=512 ** -0.5)
     want = rb.sparse_attn(p["q"], p["kv"], sink, p["idx"], scale=512 ** -0.5)
     assert C.cos(got, want) >= 0.999
+
+
+@pytest.mark.parametrize("shape,S", [("flash", 4096), ("pro", 8192)])
+def test_indexer_matches_reference(shape, S):
+    from dsv4_kernels import check_attn as C
+    row = C.check_indexer(C.make_indexer(shape, S, seed=6))
+    assert row["passed"], row
+
+
+@pytest.mark.parametrize("ratio", [0, 4])
+def test_topk_kernel_equals_its_model(ratio):
+    """Radix select on the device = topk_model bit for bit (threshold, tie rule, order), long rows included."""
+    from dsv4_kernels import indexer as IX
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for S, T, k in ((64, 70000, 1024), (300, 1500, 512), (3, 100, 512)):
+        scores = torch.randn(S, T, device="cuda", generator=g).bfloat16()
+        scores[:, ::5] = scores[:, 1:2]                                  # heavy ties
+        if ratio:
+            vis = torch.arange(T, device="cuda")[None, :] < (torch.arange(S, device="cuda")[:, None] + 1) // ratio
+            scores = scores.masked_fill(~vis, float("-inf"))
+        scores[1] = float("-inf")
+        got = IX.indexer_topk(scores, k, ratio)
+        assert torch.equal(got.cpu(), IX.topk_model(scores.cpu(), k, ratio)), (S, T, k)
+
+
+def test_scores_kernel_follows_its_model():
+    from dsv4_kernels import check_attn as C
+    from dsv4_kernels import indexer as IX
+    p = C.make_indexer("flash", 1000, seed=9)
+    got = IX.indexer_scores(p["q"], p["k"], p["w"], 4)
+    want = IX.scores_model(p["q"], p["k"], p["w"], 4)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert float((got[fin].float() - want[fin].float()).abs().max()) <= 2 ** -8 * float(want[fin].float().abs().max())
+
+
+def test_backend_indexer_ops_match_reference_backend():
+    import dsv4_references as ref
+
+    from dsv4debug.backends.registry import make_backend
+    from dsv4debug.metrics import index_agreement
+    kb = make_backend("kernels", "cuda")
+    rb = make_backend("reference", "cuda")
+    g = torch.Generator(device="cuda").manual_seed(10)
+    S, T = 400, 100
+    for IH in (4, 64):                                  # tiny preset (4 heads, padded) and the real 64
+        q = ref.indexer_q(torch.randn(S, IH, 128, device="cuda", generator=g).bfloat16(),
+                          ref.rope_freqs(S, 64, 160000.0, 65536, 16.0).cuda())
+        k = ref.fp4_sim(torch.randn(T, 128, device="cuda", generator=g).bfloat16(), 32)
+        w = torch.randn(S, IH, device="cuda", generator=g).bfloat16()
+        sk = kb.indexer_scores(q, k, w, ratio=4, weight_scale=128 ** -0.5 * IH ** -0.5)
+        sr = rb.indexer_scores(q, k, w, ratio=4, weight_scale=128 ** -0.5 * IH ** -0.5)
+        fin = torch.isfinite(sr)
+        assert torch.equal(torch.isinf(sk), torch.isinf(sr))
+        assert float((sk[fin].float() - sr[fin].float()).abs().max()) <= 2 ** -7 * float(sr[fin].float().abs().max())
+        ik, ir = kb.indexer_topk(sr, k=16), rb.indexer_topk(sr, k=16)
+        assert ik.dtype == ir.dtype and ik.shape == ir.shape
+        agr = index_agreement(ir, ik, sr.float().nan_to_num(neginf=-1e30), tie_margin=1e-6)
+        assert agr["hard_flips"] == 0

@@ -14,7 +14,10 @@ NVFP4/MXFP4 weights -> W4A16 (weights packed once per stage by kernels/w4_pack);
 epilogue, then w2; FP8 experts (the shared expert) -> three FP8 linears with the SwiGLU in torch (said here).
 sparse_attn (sparse_attn): the joint KV paged into two FP8 caches (window rows, compressed rows) by kv_cache's
 write kernel, the index list translated to cache slots with torch, then the WGMMA attention kernel.
-Not implemented: embed, grouped_linear, logits, compressor, indexer_*, gate, moe_combine. The
+indexer_scores, indexer_topk (indexer): WGMMA scores with the reference's bf16 rounding points (the weight
+scale is one bf16 torch multiply, heads zero-padded to 64); radix-select top-k, ids in index order (the runner
+compares index sites as sets).
+Not implemented: embed, grouped_linear, logits, compressor, indexer_q, gate, moe_combine. The
 kernels take bf16 activations (the serving dtype): the fp32/fp64 twins stay on the reference.
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ KERNEL_MODULES = {
     "hc_head": "dsv4_kernels.mhc", "linear": "dsv4_kernels.gemm_fp8 | dsv4_kernels.gemm_w4a16",
     "expert": "dsv4_kernels.gemm_w4a16 (+ gemm_fp8 for the shared expert)",
     "sparse_attn": "dsv4_kernels.sparse_attn (+ kv_cache write)",
+    "indexer_scores": "dsv4_kernels.indexer", "indexer_topk": "dsv4_kernels.indexer",
 }
 
 
@@ -97,6 +101,15 @@ class KernelsBackend(Backend):
         from dsv4_kernels import sparse_attn as sa
         return sa.sparse_attn_paged(self._bf16(q, "sparse_attn"), self._bf16(kv, "sparse_attn"), self.param(sink),
                                     idx, scale, block_size=self.kv_block_size, generator=self._gen)
+
+    # ---- lightning indexer (kernels/indexer.py); weights * weight_scale is one bf16 torch multiply
+    def indexer_scores(self, q, k, weights, *, ratio, weight_scale):
+        from dsv4_kernels import indexer
+        return indexer.scores_op(self._bf16(q, "indexer_scores"), k, weights, ratio, weight_scale)
+
+    def indexer_topk(self, scores, *, k):
+        from dsv4_kernels import indexer
+        return indexer.indexer_topk(self._bf16(scores, "indexer_topk"), k)
 
     # ---- mHC
     def hc_pre(self, x, fn, scale, base, *, iters, norm_eps, hc_eps):
