@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .capture import CaptureReader
+from .diff import RULE_KEYS as DIFF_RULE_KEYS
 from .diff import _read_toml
 from .errors import BadInput
 from .metrics import MIN_FLOORS, floor_ratio
@@ -145,7 +146,9 @@ def _make_rule(where_file: str, text: str, name: str, line: int | None, base: Ga
     allowed = BUDGET_KEYS if is_default else RULE_KEYS
     for key in table:
         if key not in allowed:
-            hint = " (sites, runs and ignore belong in the rule tables)" if key in RULE_KEYS else ""
+            hint = " (sites, runs and ignore belong in the rule tables)" if key in RULE_KEYS else \
+                " (a `dsv4debug diff` threshold; the gate takes budgets relative to the baseline)" \
+                if key in DIFF_RULE_KEYS else ""
             raise fail(f"unknown key {key!r}{hint}; known keys: {', '.join(allowed)}", key)
     values: dict[str, Any] = {}
     for key, value in table.items():
