@@ -12,8 +12,9 @@ from rich.console import Console
 
 from .errors import BadInput
 
+# help texts are plain: they quote TOML tables and regexes with [brackets]
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Find where a DeepSeek-V4 inference pipeline goes numerically wrong.")
+                  rich_markup_mode=None, help="Find where a DeepSeek-V4 inference pipeline goes numerically wrong.")
 err_console = Console(stderr=True, soft_wrap=True)
 
 
