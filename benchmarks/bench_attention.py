@@ -15,7 +15,8 @@ Phases (each writes DIR/<phase>.json; the driver writes DIR/attention.json and p
           rate on the required FLOPs (cuBLAS 8192^3 measured in the same run, and the 989 TFLOP/s spec),
           decode (1 / 16 / 64 sequences at 64K context) as % of the device copy bandwidth on the KV bytes read
           indexer scores and top-k at 16384 tokens against the torch formulation (einsum, relu, weighted head
-          sum, torch.topk)
+          sum, torch.topk); compressor pooling (+ norm, rope, QAT) against the reference's torch ops
+          (the check phase also runs the compressor op, torch fp32 projections + the kernel, vs the reference)
   pytest  tests/test_kernels_attn_gpu.py
 A hung or crashing kernel costs one phase (timeout), not the run. Timing: CUDA-graph replay, median.
 """
@@ -120,6 +121,12 @@ def phase_check() -> dict:
             rows.append(box["row"])
             log("  " + _short(box["row"]))
         del p
+    for shape in ("flash", "pro"):
+        for kind in C.COMPRESSORS:
+            box = {}
+            _try(box, "row", lambda shape=shape, kind=kind: C.check_compressor(C.make_compressor(shape, kind, 4096, seed=24)))
+            rows.append(box["row"])
+            log("  compressor " + " ".join(f"{k}={v}" for k, v in box["row"].items() if k != "traceback"))
     for shape, S in (("flash", 4096), ("pro", 8192)):
         box = {}
         _try(box, "row", lambda shape=shape, S=S: {"op": "indexer", **C.check_indexer(C.make_indexer(shape, S, seed=23))})
@@ -160,6 +167,12 @@ def phase_bench() -> dict:
         log("  indexer " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                    for k, v in box["row"].items() if k != "traceback"))
         torch.cuda.empty_cache()
+    for kind in C.COMPRESSORS:
+        box = {}
+        _try(box, "row", lambda kind=kind: C.bench_compressor(C.make_compressor("pro", kind, 16384, seed=34)))
+        rows.append(box["row"])
+        log("  compressor " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in box["row"].items() if k != "traceback"))
     return {"peaks": peaks, "rows": rows}
 
 

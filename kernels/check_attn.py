@@ -371,3 +371,72 @@ def bench_indexer(p: dict, peaks: dict, reps: int = 10) -> dict[str, Any]:
     row.update(topk_s=tk, topk_torch_s=tkt, topk_speedup=tkt / tk)
     row["topk_gbps"] = visible * 2 * 3 / tk / 1e9                  # three passes over the visible scores
     return row
+
+
+# --------------------------------------------------------------------------------------------------------
+# Compressor
+# --------------------------------------------------------------------------------------------------------
+
+COMPRESSORS = {"main_csa": (512, 4, False), "main_hca": (512, 128, False), "indexer": (128, 4, True)}
+
+
+def make_compressor(shape: str, kind: str, S: int, device="cuda", seed: int = 0) -> dict:
+    import dsv4_references as ref
+    dc, ratio, rotate = COMPRESSORS[kind]
+    D = {"flash": 4096, "pro": 7168}[shape]
+    c = 2 if ratio == 4 else 1
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, device=device)
+    return {"x": r(S, D).bfloat16(), "wkv": (r(c * dc, D) * D ** -0.5).bfloat16(),
+            "wgate": (r(c * dc, D) * D ** -0.5).bfloat16(), "ape": r(ratio, c * dc) * 0.3,
+            "norm_w": 1 + 0.1 * r(dc), "freqs": ref.rope_freqs(S, 64, 160000.0, 65536, 16.0).to(device),
+            "ratio": ratio, "rotate": rotate, "shape": shape, "kind": kind, "S": S, "dc": dc}
+
+
+def check_compressor(p: dict) -> dict[str, Any]:
+    """compress_op (fp32 torch projections + the pooling kernel) vs dsv4_references.compress, QAT on and off;
+    and the kernel vs its CPU model on the same projections."""
+    import dsv4_references as ref
+
+    from . import compressor as CP
+    row: dict[str, Any] = {"op": "compressor", "shape": p["shape"], "kind": p["kind"], "S": p["S"]}
+    ok = True
+    for qat in (True, False):
+        want = ref.compress(p["x"], p["wkv"].float(), p["wgate"].float(), p["ape"], p["norm_w"], p["freqs"],
+                            p["ratio"], 64, 1e-6, p["rotate"], qat)
+        got = CP.compress_op(p["x"], p["wkv"], p["wgate"], p["ape"], p["norm_w"], p["freqs"], p["ratio"], 64,
+                             1e-6, p["rotate"], qat)
+        tag = "qat" if qat else "noqat"
+        row[f"{tag}_cos"] = cos(got, want)
+        row[f"{tag}_identical"] = float((got == want).float().mean())
+        row[f"{tag}_nan"] = int((~torch.isfinite(got.float())).sum())
+        ok = ok and row[f"{tag}_cos"] >= 0.9999 and row[f"{tag}_identical"] >= 0.9 and row[f"{tag}_nan"] == 0
+    row["passed"] = ok
+    return row
+
+
+def bench_compressor(p: dict, reps: int = 10) -> dict[str, Any]:
+    """The pooling kernel alone (projections precomputed) vs the reference's pooling + norm + rope + QAT in torch."""
+    import dsv4_references as ref
+
+    from . import compressor as CP
+    ratio, dc = p["ratio"], p["dc"]
+    T = p["S"] // ratio
+    W = torch.cat([p["wkv"], p["wgate"]]).float()
+    C = p["wkv"].size(0)
+    y = p["x"][:T * ratio].float() @ W.T
+    cs = torch.view_as_real(p["freqs"][:T * ratio:ratio]).float().contiguous()
+    post = "hadamard_fp4" if p["rotate"] else "fp8"
+    t, how = time_fn(lambda: CP.compress_pool(y[:, :C], y[:, C:], p["ape"], p["norm_w"], cs, ratio, post, 1e-6, dc),
+                     reps)
+
+    def torch_pool():
+        kv = y[:, :C].unflatten(0, (T, ratio))
+        sc = y[:, C:].unflatten(0, (T, ratio)) + p["ape"]
+        c = ref.rms_norm(ref.attention._pool_blocks(kv, sc, ratio, ratio == 4).bfloat16(), p["norm_w"], 1e-6)
+        c = ref.apply_rope(c, p["freqs"][:T * ratio:ratio])
+        return ref.fp4_sim(ref.rotate_activation(c), 32) if p["rotate"] else ref.kv_qat(c, 64)
+    tt, _ = time_fn(torch_pool, max(2, reps // 2), graph=False)
+    moved = y.numel() * 4 + T * dc * 2
+    return {"op": "compressor", "shape": p["shape"], "kind": p["kind"], "S": p["S"], "pool_s": t, "timing": how,
+            "torch_s": tt, "speedup_vs_torch": tt / t, "gbps": moved / t / 1e9}

@@ -420,3 +420,51 @@ def test_scores_op_pads_heads_and_scales_weights(monkeypatch):
     assert float((got[fin].float() - want[fin].float()).abs().max()) <= 2 ** -8 * float(want[fin].float().abs().max())
     with pytest.raises(ValueError):
         IX.scores_op(torch.zeros(2, 65, 128).bfloat16(), k, torch.zeros(2, 65).bfloat16(), 4, 1.0)
+
+
+# ---- compressor ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [{"dc": 512, "ratio": 4, "post": "fp8"}, {"dc": 512, "ratio": 128, "post": "fp8"},
+                                 {"dc": 128, "ratio": 4, "post": "hadamard_fp4"}])
+def test_compress_pool_compiles(cfg):
+    from dsv4_kernels import _common, compressor  # noqa: F401 - registers the kernel
+    for arch in ("sm_90a", "sm_100a"):
+        _common._CACHE.pop(("compress_pool", config_key(cfg), arch), None)
+        assert compile_kernel("compress_pool", arch, **cfg) is not None
+
+
+def test_kernel_hadamard_order_is_sylvester():
+    from dsv4_kernels import compressor as CP
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(5, 128, generator=g, dtype=torch.float64)
+    want = ref.rotate_activation(x) * 128 ** 0.5
+    assert torch.allclose(CP.fwht_lanes_model(x), want, atol=1e-10)
+
+
+def _compressor_problem(S, D, dc, ratio, gen):
+    c = 2 if ratio == 4 else 1
+    x = torch.randn(S, D, generator=gen).bfloat16()
+    wkv = (torch.randn(c * dc, D, generator=gen) * D ** -0.5).bfloat16()
+    wgate = (torch.randn(c * dc, D, generator=gen) * D ** -0.5).bfloat16()
+    ape = torch.randn(ratio, c * dc, generator=gen) * 0.3
+    norm_w = 1 + 0.1 * torch.randn(dc, generator=gen)
+    freqs = ref.rope_freqs(S, 64, 160000.0, 65536, 16.0)
+    return x, wkv, wgate, ape, norm_w, freqs
+
+
+@pytest.mark.parametrize("dc,ratio,rotate,qat", [(512, 4, False, True), (512, 128, False, True),
+                                                 (128, 4, True, True), (512, 4, False, False),
+                                                 (128, 4, True, False)])
+def test_compress_model_matches_reference(monkeypatch, dc, ratio, rotate, qat):
+    """compress_op (torch fp32 projections + the pooling kernel) with the kernel replaced by its CPU model
+    equals dsv4_references.compress up to fp32 summation order."""
+    from dsv4_kernels import compressor as CP
+    monkeypatch.setattr(CP, "compress_pool", CP.pool_model)
+    g = torch.Generator().manual_seed(dc + ratio)
+    S = 2 * ratio * 4 + 3                                             # a partial block at the end
+    x, wkv, wgate, ape, norm_w, freqs = _compressor_problem(S, 256, dc, ratio, g)
+    want = ref.compress(x, wkv.float(), wgate.float(), ape, norm_w, freqs, ratio, 64, 1e-6, rotate, qat)
+    got = CP.compress_op(x, wkv, wgate, ape, norm_w, freqs, ratio, 64, 1e-6, rotate, qat)
+    assert got.shape == want.shape == (S // ratio, dc) and got.dtype == torch.bfloat16
+    assert _cos(got, want) >= 0.9999
+    assert float((got == want).float().mean()) >= 0.9

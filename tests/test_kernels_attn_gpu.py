@@ -154,3 +154,48 @@ def test_backend_indexer_ops_match_reference_backend():
         assert ik.dtype == ir.dtype and ik.shape == ir.shape
         agr = index_agreement(ir, ik, sr.float().nan_to_num(neginf=-1e30), tie_margin=1e-6)
         assert agr["hard_flips"] == 0
+
+
+@pytest.mark.parametrize("kind", ["main_csa", "main_hca", "indexer"])
+def test_compressor_matches_reference(kind):
+    from dsv4_kernels import check_attn as C
+    row = C.check_compressor(C.make_compressor("flash", kind, 1024 + 7, seed=12))
+    assert row["passed"], row
+
+
+def test_compress_pool_follows_its_model():
+    import dsv4_references as ref
+    from dsv4_kernels import check_attn as C
+    from dsv4_kernels import compressor as CP
+    for kind in C.COMPRESSORS:
+        p = C.make_compressor("flash", kind, 1024, seed=13)
+        ratio, dc = p["ratio"], p["dc"]
+        T = p["S"] // ratio
+        y = p["x"].float() @ torch.cat([p["wkv"], p["wgate"]]).float().T
+        C_ = p["wkv"].size(0)
+        cs = torch.view_as_real(p["freqs"][:T * ratio:ratio]).float().contiguous()
+        for post in (("hadamard_fp4", "hadamard") if p["rotate"] else ("fp8", "none")):
+            got = CP.compress_pool(y[:, :C_], y[:, C_:], p["ape"], p["norm_w"], cs, ratio, post, 1e-6, dc)
+            want = CP.pool_model(y[:, :C_], y[:, C_:], p["ape"], p["norm_w"], cs, ratio, post, 1e-6, dc)
+            assert C.cos(got, want) >= 0.99999 and float((got == want).float().mean()) >= 0.95, (kind, post)
+    assert ref is not None
+
+
+def test_backend_compressor_matches_reference_backend():
+    from dsv4_kernels import check_attn as C
+
+    from dsv4debug.backends.registry import make_backend
+    from dsv4debug.formats import QWeight
+    kb = make_backend("kernels", "cuda")
+    rb = make_backend("reference", "cuda")
+    for kind in C.COMPRESSORS:
+        p = C.make_compressor("flash", kind, 600, seed=14)
+        f32 = lambda n, t: QWeight(n, "f32", {"": t.float().cpu()})
+        bf = lambda n, t: QWeight(n, "bf16_plain", {"": t.cpu()})
+        args = (p["x"], bf("c.wkv", p["wkv"]), bf("c.wgate", p["wgate"]), f32("c.ape", p["ape"]),
+                f32("c.norm.weight", p["norm_w"]), p["freqs"])
+        kw = {"ratio": p["ratio"], "rope_dim": 64, "eps": 1e-6, "rotate": p["rotate"], "qat": True}
+        got, want = kb.compressor(*args, **kw), rb.compressor(*args, **kw)
+        assert C.cos(got, want) >= 0.9999, kind
+        kb.end_stage()
+        rb.end_stage()
