@@ -267,6 +267,11 @@ def device_peaks() -> dict:
             "spec_bf16_dense_tflops": 989.4}
 
 
+def _auto_splits(p: dict) -> int:
+    from . import sparse_attn as SA
+    return SA.choose_splits(p["S"], -(-p["H"] // 64) * 64, p["idx"].size(1))
+
+
 def bench_case(p: dict, peaks: dict, reps: int = 20) -> dict[str, Any]:
     launch, _keep = prepared_fp8(p)
     row = {"shape": p["shape"], "layer": p["layer"], "mode": p["mode"], "S": p["S"], "H": p["H"],
@@ -274,7 +279,15 @@ def bench_case(p: dict, peaks: dict, reps: int = 20) -> dict[str, Any]:
     if "L" in p:
         row["L"] = p["L"]
     t, how = time_fn(launch, reps)
-    row.update(kernel_s=t, timing=how)
+    row.update(kernel_s=t, timing=how, splits_auto=_auto_splits(p))
+    if p["mode"] == "decode":                       # data for tuning choose_splits: a few forced split counts
+        sweep = {}
+        for ns in (1, 2, 4, 8, 16):
+            if ns <= max(1, -(-p["idx"].size(1) // 32)):
+                sweep[ns], _ = time_fn(lambda ns=ns: launch(ns), reps)
+        row["split_sweep_s"] = sweep
+        best = min(sweep, key=sweep.get)
+        row.update(best_splits=best, best_split_s=sweep[best])
     tb, _ = time_fn(lambda: torch_baseline(p), max(3, reps // 4), graph=False)
     row.update(torch_s=tb, speedup_vs_torch=tb / t)
     fl = flops(p)

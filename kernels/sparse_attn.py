@@ -595,13 +595,17 @@ H200_SMS = 132
 
 
 def choose_splits(S: int, Hp: int, K: int, bn: int = 32, sms: int = H200_SMS) -> int:
-    """KV splits so that few tokens still fill the GPU: one CTA per (token, 64 heads) is enough from about
-    one wave on; below, the index list is split, keeping at least 4 blocks of bn keys a split."""
+    """KV splits so that few tokens still fill the GPU (a heuristic, not tuned on a GPU yet).
+
+    One CTA per (token, 64 heads) is enough from about one wave on. Below, the index list is split, keeping
+    at least 4 blocks of bn keys a split, and at most K / 448 splits: each split writes and the combine
+    reads a 64 x 512 fp32 partial (256 KB both ways), which should not exceed the split's FP8 KV bytes
+    (584 a key)."""
     ctas = S * max(Hp // HEADS, 1)
     nblk = max(-(-K // bn), 1)
     if ctas >= sms:
         return 1
-    return max(1, min(-(-sms // ctas), nblk // 4, 64))
+    return max(1, min(-(-sms // ctas), nblk // 4, K // 448, 64))
 
 
 def _prepare(q, idx, sink):

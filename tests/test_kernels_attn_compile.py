@@ -201,9 +201,11 @@ def test_emulate_fp8_paged_two_caches_matches_reference():
 
 def test_choose_splits():
     assert sparse_attn.choose_splits(4096, 128, 1152) == 1          # prefill: many CTAs
-    assert sparse_attn.choose_splits(1, 64, 640) == 5                # decode: 20 blocks, >= 4 a split
-    assert sparse_attn.choose_splits(1, 128, 8320) == 64             # long HCA decode: capped
-    assert sparse_attn.choose_splits(64, 64, 640) == 3
+    assert sparse_attn.choose_splits(1, 64, 640) == 1                # 640 keys: partials would outweigh the KV
+    assert sparse_attn.choose_splits(1, 128, 1152) == 2
+    assert sparse_attn.choose_splits(1, 128, 8320) == 18             # long HCA decode: K / 448
+    assert sparse_attn.choose_splits(1, 128, 65664) == 64            # capped
+    assert sparse_attn.choose_splits(64, 64, 8320) == 3
 
 
 def test_paged_glue_with_torch_stand_ins(monkeypatch):
