@@ -287,6 +287,57 @@ class CompressPool:
             x[e] = Float32(cutlass.select_(y < Float32(0.0), -val, val)).to(BFloat16).to(Float32)
 
 
+class IndexerQ(CompressPool):
+    """The indexer's queries (dsv4_references.indexer_q): q bf16 [S * IH, 128] rows (row -> position
+    row // IH), cs fp32 [S, 32, 2] -> rope on the last 64 dims (bf16), Hadamard (bf16), FP4 sim when qat.
+    A warp a row, 4 dims a lane (the compressor's rope / Hadamard / FP4 code)."""
+
+    def __init__(self, qat: bool = True):
+        super().__init__(dc=128, ratio=1, post="hadamard_fp4" if qat else "hadamard")
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, cs_ptr: cute.Pointer, o_ptr: cute.Pointer, rows: Int32, IH: Int32,
+                 stream):
+        dc = self.dc
+        S = rows // IH
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((4, dc // 4, rows), stride=(1, 4, dc)))
+        mCS = cute.make_tensor(cs_ptr, cute.make_layout((2, 2, self.rope // 4, S), stride=(1, 2, 4, self.rope)))
+        mO = cute.make_tensor(o_ptr, cute.make_layout((4, dc // 4, rows), stride=(1, 4, dc)))
+        self.kernel_q(mQ, mCS, mO, rows, IH).launch(
+            grid=[cute.ceil_div(rows, self.per_cta), 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel_q(self, mQ: cute.Tensor, mCS: cute.Tensor, mO: cute.Tensor, rows: Int32, IH: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        G = self.group
+        j = tidx % G
+        row = bidx * self.per_cta + tidx // G
+        rc = cutlass.min(row, rows - 1)
+        xin = cute.make_rmem_tensor((4,), BFloat16)
+        cute.autovec_copy(mQ[None, j, rc], xin)
+        x = cute.make_rmem_tensor((4,), Float32)
+        for e in cutlass.range_constexpr(4):
+            x[e] = xin[e].to(Float32)
+        first_rope = (self.dc - self.rope) // 4
+        if j >= first_rope:
+            cs = cute.make_rmem_tensor((2, 2), Float32)
+            cute.autovec_copy(mCS[None, None, j - first_rope, rc // IH], cs)
+            for pr in cutlass.range_constexpr(2):
+                a, b = x[2 * pr], x[2 * pr + 1]
+                c, s = cs[0, pr], cs[1, pr]
+                x[2 * pr] = (a * c - b * s).to(BFloat16).to(Float32)
+                x[2 * pr + 1] = (a * s + b * c).to(BFloat16).to(Float32)
+        self.hadamard(x)
+        if cutlass.const_expr(self.post == "hadamard_fp4"):
+            self.fp4_sim(x)
+        if row < rows:
+            out = cute.make_rmem_tensor((4,), BFloat16)
+            for e in cutlass.range_constexpr(4):
+                out[e] = x[e].to(BFloat16)
+            cute.autovec_copy(out, mO[None, j, row])
+
+
 # --------------------------------------------------------------------------------------------------------
 # Registry and launchers
 # --------------------------------------------------------------------------------------------------------
@@ -306,6 +357,47 @@ register(KernelDef(
                 {"dc": 128, "ratio": 4, "post": "hadamard_fp4"}),
     doc="compressor pooling (ratio-4 overlapping / ratio-128 online softmax), RMSNorm, rope, FP8 or "
         "Hadamard + FP4 QAT"))
+
+
+def _build_q(qat: bool = True):
+    return IndexerQ(qat), (fake_ptr(BFloat16, 8), fake_ptr(Float32), fake_ptr(BFloat16, 8), Int32(4096),
+                           Int32(64), fake_stream())
+
+
+register(KernelDef("indexer_q", "indexer", BOTH, _build_q, configs=({"qat": True}, {"qat": False}),
+                   ci_configs=({"qat": True},),
+                   doc="indexer queries: rope on the last 64 dims, Hadamard 128, FP4 sim (qat)"))
+
+
+def indexer_q(q, freqs, qat: bool = True):
+    """q [S, IH, 128] bf16, freqs [>= S, 32] complex -> bf16 [S, IH, 128] (dsv4_references.indexer_q)."""
+    import torch
+
+    from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr
+    S, IH, ID = q.shape
+    if q.dtype != torch.bfloat16 or ID != 128:
+        raise ValueError("indexer_q takes q [S, IH, 128] bf16")
+    q = q.contiguous()
+    cs = torch.view_as_real(freqs[:S]).float().contiguous().to(q.device)
+    out = torch.empty_like(q)
+    check_numel(q)
+    if q.numel():
+        fn = compile_kernel("indexer_q", device_arch(q.device), qat=qat)
+        fn(ptr(q, align=8), ptr(cs), ptr(out, align=8), Int32(S * IH), Int32(IH), current_stream())
+    return out
+
+
+def indexer_q_model(q, freqs, qat: bool = True):
+    """The indexer_q kernel's arithmetic in torch (rope with separate fp32 products, Hadamard, FP4)."""
+    import dsv4_references as ref
+    S = q.size(0)
+    cs = __import__("torch").view_as_real(freqs[:S]).float()
+    x = q.float().clone()
+    a, b = x[..., -64::2], x[..., -63::2]
+    c, s = cs[:, None, :, 0], cs[:, None, :, 1]
+    x[..., -64::2], x[..., -63::2] = (a * c - b * s).bfloat16().float(), (a * s + b * c).bfloat16().float()
+    x = ref.rotate_activation(x.bfloat16())
+    return ref.fp4_sim(x, 32) if qat else x
 
 
 def compress_pool(kv, score, ape, norm_w, cs, ratio: int, post: str, eps: float, dc: int):

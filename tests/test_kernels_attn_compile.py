@@ -470,3 +470,18 @@ def test_compress_model_matches_reference(monkeypatch, dc, ratio, rotate, qat):
     assert got.shape == want.shape == (S // ratio, dc) and got.dtype == torch.bfloat16
     assert _cos(got, want) >= 0.9999
     assert float((got == want).float().mean()) >= 0.9
+
+
+@pytest.mark.parametrize("qat", [True, False])
+def test_indexer_q_compiles_and_model_matches_reference(qat):
+    from dsv4_kernels import _common
+    from dsv4_kernels import compressor as CP
+    _common._CACHE.pop(("indexer_q", config_key({"qat": qat}), "sm_90a"), None)
+    assert compile_kernel("indexer_q", "sm_90a", qat=qat) is not None
+    g = torch.Generator().manual_seed(13)
+    S, IH = 50, 8
+    q = torch.randn(S, IH, 128, generator=g).bfloat16()
+    freqs = ref.rope_freqs(S, 64, 160000.0, 65536, 16.0)
+    want = ref.indexer_q(q, freqs, qat)
+    got = CP.indexer_q_model(q, freqs, qat)
+    assert _cos(got, want) >= 0.9999 and float((got == want).float().mean()) >= 0.95

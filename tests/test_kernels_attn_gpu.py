@@ -199,3 +199,21 @@ def test_backend_compressor_matches_reference_backend():
         assert C.cos(got, want) >= 0.9999, kind
         kb.end_stage()
         rb.end_stage()
+
+
+@pytest.mark.parametrize("qat", [True, False])
+def test_indexer_q_kernel(qat):
+    import dsv4_references as ref
+    from dsv4_kernels import compressor as CP
+
+    from dsv4debug.backends.registry import make_backend
+    g = torch.Generator(device="cuda").manual_seed(15)
+    S, IH = 333, 64
+    q = torch.randn(S, IH, 128, device="cuda", generator=g).bfloat16()
+    freqs = ref.rope_freqs(S, 64, 160000.0, 65536, 16.0).cuda()
+    got = CP.indexer_q(q, freqs, qat)
+    assert float((got == CP.indexer_q_model(q, freqs, qat)).float().mean()) >= 0.99
+    want = make_backend("reference", "cuda").indexer_q(q, freqs, qat=qat)
+    kb = make_backend("kernels", "cuda").indexer_q(q, freqs, qat=qat)
+    from dsv4_kernels import check_attn as C
+    assert C.cos(kb, want) >= 0.9999 and float((kb == want).float().mean()) >= 0.95

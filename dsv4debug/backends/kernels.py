@@ -14,13 +14,13 @@ NVFP4/MXFP4 weights -> W4A16 (weights packed once per stage by kernels/w4_pack);
 epilogue, then w2; FP8 experts (the shared expert) -> three FP8 linears with the SwiGLU in torch (said here).
 sparse_attn (sparse_attn): the joint KV paged into two FP8 caches (window rows, compressed rows) by kv_cache's
 write kernel, the index list translated to cache slots with torch, then the WGMMA attention kernel.
-indexer_scores, indexer_topk (indexer): WGMMA scores with the reference's bf16 rounding points (the weight
-scale is one bf16 torch multiply, heads zero-padded to 64); radix-select top-k, ids in index order (the runner
-compares index sites as sets).
+indexer_q (compressor module: rope, Hadamard, FP4 sim in one kernel); indexer_scores, indexer_topk (indexer):
+WGMMA scores with the reference's bf16 rounding points (the weight scale is one bf16 torch multiply, heads
+zero-padded to 64); radix-select top-k, ids in index order (the runner compares index sites as sets).
 compressor (compressor): the kv and gate projections in torch fp32 (x.float() @ w.T, as the reference; no bf16-
 weight GEMM kernel yet), then one kernel for the pooling (ratio-4 overlapping / ratio-128), RMSNorm, RoPE and
 the FP8 or Hadamard + FP4 QAT.
-Not implemented: embed, grouped_linear, logits, indexer_q, gate, moe_combine. The
+Not implemented: embed, grouped_linear, logits, gate, moe_combine. The
 kernels take bf16 activations (the serving dtype): the fp32/fp64 twins stay on the reference.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ KERNEL_MODULES = {
     "expert": "dsv4_kernels.gemm_w4a16 (+ gemm_fp8 for the shared expert)",
     "sparse_attn": "dsv4_kernels.sparse_attn (+ kv_cache write)",
     "indexer_scores": "dsv4_kernels.indexer", "indexer_topk": "dsv4_kernels.indexer",
-    "compressor": "dsv4_kernels.compressor (+ torch fp32 projections)",
+    "compressor": "dsv4_kernels.compressor (+ torch fp32 projections)", "indexer_q": "dsv4_kernels.compressor",
 }
 
 
@@ -118,6 +118,10 @@ class KernelsBackend(Backend):
     def indexer_scores(self, q, k, weights, *, ratio, weight_scale):
         from dsv4_kernels import indexer
         return indexer.scores_op(self._bf16(q, "indexer_scores"), k, weights, ratio, weight_scale)
+
+    def indexer_q(self, q, freqs, *, qat):
+        from dsv4_kernels import compressor
+        return compressor.indexer_q(self._bf16(q, "indexer_q"), freqs, qat)
 
     def indexer_topk(self, scores, *, k):
         from dsv4_kernels import indexer
