@@ -45,7 +45,6 @@ class Stage:
     name: str                               # "embed", "layers.3", "head"
     layer: int                              # -1 embed, 0..n_layers-1, n_layers head
     run: Callable[[Ctx, State], State]
-    weight_prefixes: tuple[str, ...]        # module-name prefixes this stage reads
 
 
 class RopeTables:
@@ -167,7 +166,7 @@ def stages(cfg: ModelConfig, seqlen: int, device: torch.device | str = "cpu", qa
     def layer_stage(i: int) -> Stage:
         def run(ctx: Ctx, st: State) -> State:
             return State(st.token_ids, block(ctx, cfg, i, st.h, st.token_ids, tables.for_layer(cfg, i), qat))
-        return Stage(f"layers.{i}", i, run, (block_prefix(cfg, i),))
+        return Stage(f"layers.{i}", i, run)
 
     def head(ctx: Ctx, st: State) -> State:
         y = ctx("hc_head", "hc_head", st.h, W("hc_head_fn"), W("hc_head_scale"), W("hc_head_base"),
@@ -175,12 +174,10 @@ def stages(cfg: ModelConfig, seqlen: int, device: torch.device | str = "cpu", qa
         y = ctx("norm", "rms_norm", y, W("norm.weight"), eps=cfg.norm_eps)
         return State(st.token_ids, ctx("logits", "logits", y, W("head.weight")), st.h)     # [S, vocab] fp32
 
-    out = ([Stage("embed", -1, embed, ("embed.",))] + [layer_stage(i) for i in layers]
-           + [Stage("head", cfg.n_layers, head, ("hc_head_", "norm.", "head."))])
+    out = [Stage("embed", -1, embed), *(layer_stage(i) for i in layers), Stage("head", cfg.n_layers, head)]
     if mtp:
         out.append(Stage("mtp.0", cfg.n_layers + 1,
-                         lambda ctx, st: mtp_block(ctx, cfg, st, tables.for_layer(cfg, cfg.n_layers), qat),
-                         ("mtp.0.", "embed.", "head.")))
+                         lambda ctx, st: mtp_block(ctx, cfg, st, tables.for_layer(cfg, cfg.n_layers), qat)))
     return out
 
 
