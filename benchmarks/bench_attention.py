@@ -55,6 +55,9 @@ def env_info() -> dict:
     return info
 
 
+_PARTIAL: dict = {"file": None, "items": []}          # every finished item, on disk at once (timeouts keep them)
+
+
 def _try(results: dict, name: str, fn):
     import torch
     t0 = time.perf_counter()
@@ -65,6 +68,9 @@ def _try(results: dict, name: str, fn):
                          "passed": False}
         log(f"  {name}: ERROR {type(e).__name__}: {str(e)[:400]}")
     results[name + "_s"] = round(time.perf_counter() - t0, 2)
+    if _PARTIAL["file"] is not None:
+        _PARTIAL["items"].append({name: results[name]})
+        _PARTIAL["file"].write_text(json.dumps(_PARTIAL["items"], indent=1, default=str))
     torch.cuda.synchronize()
 
 
@@ -191,6 +197,7 @@ def run_phase(name: str, out: Path) -> dict:
     import torch
     torch.set_grad_enabled(False)
     res = {"phase": name, "env": env_info()}
+    _PARTIAL["file"] = out / f"{name}.partial.json"
     t0 = time.perf_counter()
     try:
         res.update(RUNNERS[name]())
@@ -232,6 +239,9 @@ def main() -> int:
             res = json.loads(f.read_text()) if f.exists() else {"error": "no result file"}
         except subprocess.TimeoutExpired:
             res = {"error": f"timeout after {min(TIMEOUTS[name], left):.0f} s", "passed": False}
+            part = out / f"{name}.partial.json"
+            if part.exists():
+                res["partial"] = json.loads(part.read_text())
         res["wall_s"] = round(time.perf_counter() - t, 1)
         summary["phases"][name] = res
         log(f"   {name}: passed={res.get('passed')} {res.get('error', '')} ({res['wall_s']} s)")

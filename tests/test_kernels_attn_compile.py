@@ -485,3 +485,59 @@ def test_indexer_q_compiles_and_model_matches_reference(qat):
     want = ref.indexer_q(q, freqs, qat)
     got = CP.indexer_q_model(q, freqs, qat)
     assert _cos(got, want) >= 0.9999 and float((got == want).float().mean()) >= 0.95
+
+
+def test_bench_script_dry_run_on_cpu(torch_attn_kernels, monkeypatch, tmp_path):
+    """benchmarks/bench_attention.py's phases on the CPU at toy sizes, kernels replaced by their models, CUDA
+    timing by a wall clock: catches plumbing errors before GPU time is spent on them."""
+    import importlib.util
+    import time as _time
+
+    from dsv4_kernels import check_attn as C
+    from dsv4_kernels import compressor as CP
+    from dsv4_kernels import indexer as IX
+    spec = importlib.util.spec_from_file_location("bench_attention", os.path.join(
+        os.path.dirname(__file__), "..", "benchmarks", "bench_attention.py"))
+    B = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(B)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(IX, "indexer_scores", lambda q, k, w, ratio, tokens_per_cta=32: IX.scores_model(q, k, w, ratio))
+    monkeypatch.setattr(IX, "indexer_topk", lambda s, k, ratio=0: IX.topk_model(s, k, ratio))
+    monkeypatch.setattr(CP, "compress_pool", CP.pool_model)
+    mp, md, mi, mc = C.make_prefill, C.make_decode, C.make_indexer, C.make_compressor
+
+    def small_prefill(shape, layer, S, device="cuda", seed=0, qat=True):
+        p = mp(shape, layer, 300, device="cpu", seed=seed, qat=qat)
+        p["q"], p["idx"], p["S"] = p["q"][-3:, :8], p["idx"][-3:], 3
+        p["sink"], p["H"] = p["sink"][:8], 8
+        return p
+
+    def small_decode(shape, layer, B_, L, device="cuda", seed=0):
+        p = md(shape, layer, 2, 600, device="cpu", seed=seed)
+        p["q"], p["sink"], p["H"] = p["q"][:, :8], p["sink"][:8], 8
+        return p
+
+    def timer(fn, reps=1, graph=True):
+        t = _time.perf_counter()
+        fn()
+        return _time.perf_counter() - t, "cpu"
+
+    monkeypatch.setattr(C, "make_prefill", small_prefill)
+    monkeypatch.setattr(C, "make_decode", small_decode)
+    monkeypatch.setattr(C, "make_indexer", lambda shape, S, device="cuda", seed=0: {**mi(shape, 256, device="cpu", seed=seed), "topk": 16})
+    monkeypatch.setattr(C, "make_compressor", lambda shape, kind, S, device="cuda", seed=0: mc(shape, kind, 256 + 3, device="cpu", seed=seed))
+    monkeypatch.setattr(C, "time_fn", timer)
+    monkeypatch.setattr(C, "device_peaks", lambda: {"cublas_bf16_tflops": 700.0, "copy_gbps": 4300.0,
+                                                    "spec_bf16_dense_tflops": 989.4})
+    monkeypatch.setattr(B, "env_info", lambda: {"dry_run": True})
+    monkeypatch.setattr("dsv4_kernels._common.compile_kernel", lambda *a, **k: True)
+    monkeypatch.setattr(C, "single_key_probe", lambda *a, **k: {"passed": True, "dry_run": True})
+    for phase in ("smoke", "check", "bench"):
+        res = B.run_phase(phase, tmp_path)
+        assert "error" not in res, res.get("traceback")
+        if phase != "bench":
+            assert res["passed"], [r for r in res["rows"] if not r.get("passed")]
+        else:
+            assert all("error" not in r for r in res["rows"]), [r for r in res["rows"] if "error" in r][:1]
+        assert (tmp_path / f"{phase}.json").exists() and (tmp_path / f"{phase}.partial.json").exists()
