@@ -3,8 +3,10 @@
 The compressor is two projections of x (kv and gate score, fp32 in DeepSeek's code) followed by a per-feature
 softmax pooling over each block's slots, RMSNorm, RoPE at the block's first position and the QAT simulation.
 Here:
-  projections  `compress_op` computes them in torch as x.float() @ w.float().T (fp32, exactly the reference's
-               expression; no GEMM kernel of this project yet takes bf16 weights: stated, not hidden);
+  projections  `bf16_gemm_f32` (sm_90a WGMMA, bf16 operands, fp32 accumulation and output: the products of
+               bf16-valued operands are exact in fp32, so this is the reference's fp32 GEMM up to summation
+               order), used by `compress_op` on Hopper when the weights are bf16-valued (DeepSeek's are);
+               otherwise torch's x.float() @ w.float().T;
   `compress_pool` kernel (SIMT, any arch) does the rest for one compressed entry per group of dc/4 threads
                (4 features a thread, 16-byte fp32 loads):
     ratio 4 (CSA, overlapping): 8 slots = the previous block's 4 rows on the first dc features and this
@@ -29,7 +31,9 @@ from __future__ import annotations
 import math
 
 import cutlass
-from cutlass import BFloat16, Float32, Int32, cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32, cute, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ._common import BOTH, KernelDef, bits_f32, f32_bits, fake_ptr, fake_stream, register
 
@@ -338,6 +342,118 @@ class IndexerQ(CompressPool):
             cute.autovec_copy(out, mO[None, j, row])
 
 
+class Bf16GemmF32:
+    """y fp32 [M, N] = x bf16 [M, K] @ w bf16 [N, K]^T, fp32 accumulation (sm_90a): the compressor's kv / gate
+    projections, which DeepSeek runs in fp32 on bf16-valued operands (every product is exact in fp32, so
+    only the summation order differs from x.float() @ w.float().T). TMA tiles 128 x 128 x 64, a producer warp
+    and two consumer warpgroups (64 rows each), WGMMA m64n128k16, fp32 stores (rows past M skipped)."""
+    threads = 384
+    SMEM = 227 * 1024
+
+    def __init__(self):
+        self.tile_m, self.tile_n, self.tile_k = 128, 128, 64
+        self.stages = min(8, (self.SMEM - 2048) // ((self.tile_m + self.tile_n) * self.tile_k * 2))
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, m: Int32, n: Int32, k: Int32,
+                 stream):
+        kk = cute.assume(k, divby=64)
+        nn = cute.assume(n, divby=128)
+        mA = cute.make_tensor(x_ptr, cute.make_layout((m, kk), stride=(kk, 1)))
+        mB = cute.make_tensor(w_ptr, cute.make_layout((nn, kk), stride=(kk, 1)))
+        mY = cute.make_tensor(y_ptr, cute.make_layout((m, nn), stride=(nn, 1)))
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, BFloat16, self.tile_k), BFloat16)
+        sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
+        sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
+        tma_a, mA_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
+                                                    cute.slice_(sA_layout, (None, None, 0)), (self.tile_m, self.tile_k))
+        tma_b, mB_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
+                                                    cute.slice_(sB_layout, (None, None, 0)), (self.tile_n, self.tile_k))
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, (2, 1, 1),
+            tiler_mn=(64, self.tile_n))
+
+        @cute.struct
+        class Storage:
+            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
+
+        self.storage = Storage
+        self.tx_bytes = (self.tile_m + self.tile_n) * self.tile_k * 2
+        self.kernel(tma_a, mA_tma, tma_b, mB_tma, mY, tiled_mma, sA_layout, sB_layout, m, k).launch(
+            grid=[n // self.tile_n, cute.ceil_div(m, self.tile_m), 1], block=[self.threads, 1, 1],
+            min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor, mY: cute.Tensor,
+               tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, m: Int32,
+               k: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        k_tiles = k // self.tile_k
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.storage)
+        sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bars.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
+            tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (by, None))
+        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (bx, None))
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                           cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))
+        if warp < 4:
+            cute.arch.setmaxregister_decrease(40)
+            if warp == 0:
+                if lane == 0:
+                    cpasync.prefetch_descriptor(tma_a)
+                    cpasync.prefetch_descriptor(tma_b)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    pipe.producer_acquire(state)
+                    bar = pipe.producer_get_barrier(state)
+                    cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                    pipe.producer_commit(state)
+                    state.advance()
+                pipe.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(232)
+            ctid = tidx - 128
+            thr = tiled_mma.get_slice(ctid)
+            tCrA = tiled_mma.make_fragment_A(thr.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr.partition_B(sB))
+            tCc = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            acc = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+            acc.fill(0.0)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)          # acc starts at zero: always accumulate
+            kblocks = cute.size(tCrA, mode=[2])
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            for kt in cutlass.range(k_tiles, unroll=1):
+                pipe.consumer_wait(read)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(kblocks):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)],
+                              acc)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                pipe.consumer_release(read)
+                read.advance()
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                r, c = tCc[i]
+                row = by * self.tile_m + r
+                if row < m:
+                    mY[row, bx * self.tile_n + c] = acc[i]
+
+
 # --------------------------------------------------------------------------------------------------------
 # Registry and launchers
 # --------------------------------------------------------------------------------------------------------
@@ -357,6 +473,33 @@ register(KernelDef(
                 {"dc": 128, "ratio": 4, "post": "hadamard_fp4"}),
     doc="compressor pooling (ratio-4 overlapping / ratio-128 online softmax), RMSNorm, rope, FP8 or "
         "Hadamard + FP4 QAT"))
+
+
+def _build_gemm():
+    return Bf16GemmF32(), (fake_ptr(BFloat16), fake_ptr(BFloat16), fake_ptr(Float32), Int32(512), Int32(2048),
+                           Int32(7168), fake_stream())
+
+
+register(KernelDef("bf16_gemm_f32", "compressor", ("sm_90a",), _build_gemm, configs=({},),
+                   doc="x bf16 @ w bf16^T with fp32 accumulation and fp32 output (the compressor projections)"))
+
+
+def bf16_gemm_f32(x, w):
+    """x bf16 [M, K] @ w bf16 [N, K]^T -> fp32 [M, N] (N % 128 == 0, K % 64 == 0)."""
+    import torch
+
+    from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr
+    m, k = x.shape
+    n = w.shape[0]
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.shape[1] != k or n % 128 or k % 64:
+        raise ValueError(f"bf16_gemm_f32: bf16 x [M, K], w [N, K] with N % 128 == 0, K % 64 == 0 (N={n}, K={k})")
+    x, w = x.contiguous(), w.contiguous()
+    check_numel(x, w)
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    if m:
+        fn = compile_kernel("bf16_gemm_f32", device_arch(x.device))
+        fn(ptr(x), ptr(w), ptr(y), Int32(m), Int32(n), Int32(k), current_stream())
+    return y
 
 
 def _build_q(qat: bool = True):
@@ -421,16 +564,24 @@ def compress_pool(kv, score, ape, norm_w, cs, ratio: int, post: str, eps: float,
 
 
 def compress_op(x, wkv, wgate, ape, norm_w, freqs, ratio: int, rope_dim: int, eps: float, rotate: bool,
-                qat: bool = True):
-    """The flow's compressor op: the two fp32 projections in torch (x.float() @ w.float().T, one matmul on the
-    concatenated weights), then the compress_pool kernel."""
+                qat: bool = True, gemm: str = "auto"):
+    """The flow's compressor op: the two projections as one GEMM on the concatenated weights, then the
+    compress_pool kernel. gemm "kernel": bf16_gemm_f32 (needs bf16-valued weights, 2C % 128 == 0, D % 64 == 0,
+    Hopper); "torch": x.float() @ w.float().T; "auto": the kernel where it applies, else torch (the weights of
+    DeepSeek's compressors are bf16, so on Hopper at real shapes this is the kernel)."""
     import torch
     S = x.size(0)
     dc = norm_w.numel()
     T = S // ratio
     W = torch.cat([wkv, wgate]).float()
     C = wkv.size(0)
-    y = x[:T * ratio].float() @ W.T                                        # [T*ratio, 2C] fp32
+    Wb = W.bfloat16()
+    fits = (x.is_cuda and W.size(0) % 128 == 0 and x.size(1) % 64 == 0 and bool(torch.equal(Wb.float(), W))
+            and torch.cuda.get_device_capability(x.device) == (9, 0))
+    if gemm == "kernel" or (gemm == "auto" and fits):
+        y = bf16_gemm_f32(x[:T * ratio], Wb)                               # [T*ratio, 2C] fp32
+    else:
+        y = x[:T * ratio].float() @ W.T
     cs = torch.view_as_real(freqs[:T * ratio:ratio]).float().contiguous()   # [T, rope/2, 2]
     post = ("hadamard_fp4" if qat else "hadamard") if rotate else ("fp8" if qat else "none")
     return compress_pool(y[:, :C], y[:, C:], ape, norm_w, cs.to(x.device), ratio, post, eps, dc)

@@ -541,3 +541,17 @@ def test_bench_script_dry_run_on_cpu(torch_attn_kernels, monkeypatch, tmp_path):
         else:
             assert all("error" not in r for r in res["rows"]), [r for r in res["rows"] if "error" in r][:1]
         assert (tmp_path / f"{phase}.json").exists() and (tmp_path / f"{phase}.partial.json").exists()
+
+
+def test_bf16_gemm_f32_compiles_and_accumulates():
+    from dsv4_kernels import _common
+    from dsv4_kernels import compressor as CP
+    _common._CACHE.pop(("bf16_gemm_f32", (), "sm_90a"), None)
+    assert compile_kernel("bf16_gemm_f32", "sm_90a") is not None
+    ptx = _ptx(CP._build_gemm)
+    wg = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert len(wg) == 4 and all("m64n128k16.f32.bf16.bf16" in ln for ln in wg)
+    assert "cp.async.bulk.tensor.2d" in ptx
+    # the scale-d predicate of every WGMMA is a constant 1: each k-block accumulates into the zeroed acc
+    preds = re.findall(r"setp.ne.b32 p, (%r\d+), 0;", ptx)
+    assert preds and all(re.search(rf"mov.b32 \t{re.escape(r)}, 1;", ptx) for r in set(preds))

@@ -217,3 +217,16 @@ def test_indexer_q_kernel(qat):
     kb = make_backend("kernels", "cuda").indexer_q(q, freqs, qat=qat)
     from dsv4_kernels import check_attn as C
     assert C.cos(kb, want) >= 0.9999 and float((kb == want).float().mean()) >= 0.95
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 128, 64), (300, 1024, 4096), (4099, 2048, 7168), (77, 512, 256)])
+def test_bf16_gemm_f32(m, n, k):
+    """bf16 x bf16 -> fp32 GEMM = the fp32 product of the bf16 values up to summation order."""
+    from dsv4_kernels import compressor as CP
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+    got = CP.bf16_gemm_f32(x, w)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6

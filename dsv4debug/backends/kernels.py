@@ -17,9 +17,9 @@ write kernel, the index list translated to cache slots with torch, then the WGMM
 indexer_q (compressor module: rope, Hadamard, FP4 sim in one kernel); indexer_scores, indexer_topk (indexer):
 WGMMA scores with the reference's bf16 rounding points (the weight scale is one bf16 torch multiply, heads
 zero-padded to 64); radix-select top-k, ids in index order (the runner compares index sites as sets).
-compressor (compressor): the kv and gate projections in torch fp32 (x.float() @ w.T, as the reference; no bf16-
-weight GEMM kernel yet), then one kernel for the pooling (ratio-4 overlapping / ratio-128), RMSNorm, RoPE and
-the FP8 or Hadamard + FP4 QAT.
+compressor (compressor): the kv and gate projections as one bf16 x bf16 -> fp32 WGMMA GEMM (torch fp32 matmul
+where the weights are not bf16-valued or the shape does not fit), then one kernel for the pooling (ratio-4
+overlapping / ratio-128), RMSNorm, RoPE and the FP8 or Hadamard + FP4 QAT.
 Not implemented: embed, grouped_linear, logits, gate, moe_combine. The
 kernels take bf16 activations (the serving dtype): the fp32/fp64 twins stay on the reference.
 """
@@ -38,7 +38,7 @@ KERNEL_MODULES = {
     "expert": "dsv4_kernels.gemm_w4a16 (+ gemm_fp8 for the shared expert)",
     "sparse_attn": "dsv4_kernels.sparse_attn (+ kv_cache write)",
     "indexer_scores": "dsv4_kernels.indexer", "indexer_topk": "dsv4_kernels.indexer",
-    "compressor": "dsv4_kernels.compressor (+ torch fp32 projections)", "indexer_q": "dsv4_kernels.compressor",
+    "compressor": "dsv4_kernels.compressor", "indexer_q": "dsv4_kernels.compressor",
 }
 
 
@@ -106,7 +106,7 @@ class KernelsBackend(Backend):
         return sa.sparse_attn_paged(self._bf16(q, "sparse_attn"), self._bf16(kv, "sparse_attn"), self.param(sink),
                                     idx, scale, block_size=self.kv_block_size, generator=self._gen)
 
-    # ---- compressor (kernels/compressor.py): fp32 projections in torch (stated), pooling/norm/rope/QAT kernel
+    # ---- compressor (kernels/compressor.py): projections GEMM kernel, pooling/norm/rope/QAT kernel
     def compressor(self, x, wkv, wgate, ape, norm, freqs, *, ratio, rope_dim, eps, rotate, qat):
         from dsv4_kernels import compressor
         if rope_dim != 64:
