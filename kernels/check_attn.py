@@ -451,5 +451,10 @@ def bench_compressor(p: dict, reps: int = 10) -> dict[str, Any]:
         return ref.fp4_sim(ref.rotate_activation(c), 32) if p["rotate"] else ref.kv_qat(c, 64)
     tt, _ = time_fn(torch_pool, max(2, reps // 2), graph=False)
     moved = y.numel() * 4 + T * dc * 2
+    xb, Wb = p["x"][:T * ratio].contiguous(), W.bfloat16().contiguous()
+    tg, _ = time_fn(lambda: CP.bf16_gemm_f32(xb, Wb), reps)
+    tgt, _ = time_fn(lambda: xb.float() @ W.T, max(2, reps // 2), graph=False)
+    gemm_flops = 2 * xb.size(0) * W.size(0) * W.size(1)
     return {"op": "compressor", "shape": p["shape"], "kind": p["kind"], "S": p["S"], "pool_s": t, "timing": how,
-            "torch_s": tt, "speedup_vs_torch": tt / t, "gbps": moved / t / 1e9}
+            "torch_s": tt, "speedup_vs_torch": tt / t, "gbps": moved / t / 1e9,
+            "gemm_s": tg, "gemm_torch_fp32_s": tgt, "gemm_speedup": tgt / tg, "gemm_tflops": gemm_flops / tg / 1e12}

@@ -505,6 +505,7 @@ def test_bench_script_dry_run_on_cpu(torch_attn_kernels, monkeypatch, tmp_path):
     monkeypatch.setattr(IX, "indexer_scores", lambda q, k, w, ratio, tokens_per_cta=32: IX.scores_model(q, k, w, ratio))
     monkeypatch.setattr(IX, "indexer_topk", lambda s, k, ratio=0: IX.topk_model(s, k, ratio))
     monkeypatch.setattr(CP, "compress_pool", CP.pool_model)
+    monkeypatch.setattr(CP, "bf16_gemm_f32", lambda x, w: x.float() @ w.float().T)
     mp, md, mi, mc = C.make_prefill, C.make_decode, C.make_indexer, C.make_compressor
 
     def small_prefill(shape, layer, S, device="cuda", seed=0, qat=True):
