@@ -66,7 +66,7 @@ class RunOptions:
     floor_dtype: torch.dtype = torch.float64
     faults: list[Fault] = field(default_factory=list)
     budget: float = DEFAULT_BUDGET            # tolerance = budget x noise floor
-    reference_families: tuple[str, ...] = ()  # op families the candidate side runs on the reference backend
+    reference_families: tuple[str, ...] = ()  # op families or ops the candidate side runs on the reference
     reference_below: int = 0                  # layers < this run entirely on the reference backend (bisect)
     pin_router: str | None = None             # free candidate routes with the reference's ids | ids+weights
 
@@ -144,8 +144,14 @@ def _inputs_finite(inputs: list[torch.Tensor]) -> bool:
     return not any(bool(torch.isnan(t).any()) for t in inputs if t.is_floating_point())
 
 
+def delegated(op: str, names: tuple[str, ...]) -> bool:
+    """Whether `op` is delegated by a list of op names and op families."""
+    return op in names or family_of(op) in names
+
+
 class HybridBackend(Backend):
-    """The candidate with some op families (or whole layers) delegated to the reference: bisection probes."""
+    """The candidate with some op families or single ops delegated to the reference (explicit, named in the
+    backend's name): bisection probes, and ops a candidate does not implement yet."""
 
     def __init__(self, candidate: Backend, reference: Backend, families: tuple[str, ...]):
         super().__init__(candidate.device, candidate.dtype)
@@ -157,7 +163,7 @@ class HybridBackend(Backend):
         return (self.candidate if self.is_candidate_op(op) else self.reference).op(op)
 
     def is_candidate_op(self, op: str) -> bool:
-        return family_of(op) not in self.families
+        return not delegated(op, self.families)
 
     def end_stage(self) -> None:
         self.candidate.end_stage()
@@ -347,11 +353,10 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
     cand_backend: Backend = candidate
     if opts.reference_families:
         cand_backend = HybridBackend(candidate, make_backend(opts.reference, dev), opts.reference_families)
-    missing = [op for op in candidate.missing_ops() if family_of(op) not in opts.reference_families]
+    missing = [op for op in candidate.missing_ops() if not delegated(op, opts.reference_families)]
     if missing:
-        fams = sorted({family_of(op) for op in missing})
         raise BadInput(f"backend '{opts.candidate}' does not implement {', '.join(missing)}; it never falls "
-                       f"back silently: delegate explicitly with --reference-ops {','.join(fams)}")
+                       f"back silently: delegate explicitly with --reference-ops {','.join(missing)}")
     hi_dtype = opts.floor_dtype
 
     def side(run: str, backend: Backend, faults=()) -> Side:

@@ -161,3 +161,18 @@ def test_cli_exit_codes(tiny_dir, tmp_path, capsys):
     assert '"status": "clean"' in capsys.readouterr().out
     assert code(*base, "--capture", str(tmp_path / "c.h5")) == 2          # never overwrite without --force
     assert code(*base, "--capture", str(tmp_path / "c.h5"), "--force") == 0
+
+
+def test_missing_ops_are_named_and_can_be_delegated_by_op(tiny, tokens):
+    class NoCombine(registry.backend_class("reference")):
+        name = "no-combine"
+        moe_combine = None                          # an op this candidate does not implement
+
+    registry.register("no-combine", NoCombine)
+    with pytest.raises(BadInput, match="does not implement moe_combine.*--reference-ops moe_combine"):
+        dd.run(tiny, tokens[:16], candidate="no-combine")
+    result = dd.run(tiny, tokens[:16], candidate="no-combine", reference_families=("moe_combine",),
+                    inject=["scale@layers.1.ffn.experts.*:2"])
+    # only moe_combine went to the reference: the experts stayed on the candidate, with their fault
+    assert result.verdict["first_local_divergence"]["family"] == "experts"
+    assert result.verdict["first_local_divergence"]["site"].startswith("layers.1.ffn.experts.")

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .. import api
-from ..backends.base import FAMILIES
+from ..backends.base import FAMILIES, OPS
 from ..errors import BadInput
 from . import print_json
 
@@ -100,8 +100,8 @@ def run(checkpoint: Path | None = CheckpointArg,
         save: str = typer.Option("stats", help="stats | full | tokens:A:B | sites:REGEX (comma-combinable)."),
         force: bool = typer.Option(False, help="Overwrite an existing capture."),
         inject: list[str] = typer.Option([], help="Plant a fault KIND@SITE[:ARG] in the candidate (repeatable)."),
-        reference_ops: str | None = typer.Option(None, help="Op families the candidate runs on the reference, "
-                                                    f"explicitly ({', '.join(FAMILIES)})."),
+        reference_ops: str | None = typer.Option(None, help="Ops or op families the candidate runs on the "
+                                                 f"reference, explicitly (families: {', '.join(FAMILIES)})."),
         qat: bool = typer.Option(True, help="QAT simulations (KV fp8, indexer fp4) in model.py."),
         budget: float | None = typer.Option(None, help="Tolerance in multiples of the noise floor (default 8)."),
         pin_router: str | None = typer.Option(None, help="The free candidate routes with the reference's "
@@ -115,9 +115,10 @@ def run(checkpoint: Path | None = CheckpointArg,
     _threads_for(model, device)
     ids = api.make_tokens(model, tokens, prompt, seq_len)
     fams = tuple(f for f in (reference_ops or "").split(",") if f)
-    unknown = [f for f in fams if f not in FAMILIES]
+    unknown = [f for f in fams if f not in FAMILIES and f not in OPS]
     if unknown:
-        raise BadInput(f"--reference-ops: unknown family {unknown[0]!r}; families: {', '.join(FAMILIES)}")
+        raise BadInput(f"--reference-ops: {unknown[0]!r} is neither an op family ({', '.join(FAMILIES)}) "
+                       f"nor an op ({', '.join(OPS)})")
     if capture is not None and capture.exists() and not force:
         raise BadInput(f"{capture} exists; pass --force to overwrite it")
     with _progress(not json_out and sys.stderr.isatty()) as progress:
