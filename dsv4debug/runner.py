@@ -397,7 +397,8 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
                 recorder(ev, layer)
 
         shadows = [(cand_forced, candidate.dtype)] if do_forced and opts.forcing == "op" else []
-        shadows.append((hi_local, hi_dtype))
+        if do_forced:                       # local floors judge forced runs only; free runs have their own
+            shadows.append((hi_local, hi_dtype))
         t0 = time.perf_counter()
         new_ref = _run_stage(stage, ref_side, st_ref, observer, shadows)
         _add(timings, "reference+shadows", t0)
