@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call for the kernels: run after `bash .gpu/a/stage.sh` (call 1, carry .gpu/a), as
 #   bash .gpu/b/finish.sh && . /tmp/site/env.sh && bash benchmarks/gpu_session.sh STEP:SECONDS ...   (carry .gpu/b)
-# STEP is kernels|gemm|attention|pytest with the phases after '=' (e.g. gemm=smoke,check:200). Each step runs
+# STEP is kernels|gemm|attention|pytest|py (a script) with the phases after '=' (e.g. gemm=smoke,check:200). Each step runs
 # under its own wall-clock limit, so one hung kernel costs one step. Every result file is packed into
 # $OUT/results.tar.gz (the device tool returns at most 8 files) and the log goes to $OUT/session.log.
 set -u
@@ -23,6 +23,7 @@ log=${OUT:-/tmp}/session.log
       gemm)      cmd=(python3 benchmarks/bench_gemm.py --out $res/gemm ${phases:+--phases $phases}) ;;
       attention) cmd=(python3 benchmarks/bench_attention.py --out $res/attention --deadline $((limit - 10))
                       ${phases:+--phases $phases}) ;;
+      py)        cmd=(python3 ${phases%%,*}) ;;
       pytest)    cmd=(python3 -m pytest -q -p no:cacheprovider -x ${phases//,/ }) ;;
       *) echo "unknown step $name"; continue ;;
     esac
