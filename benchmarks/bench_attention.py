@@ -84,7 +84,9 @@ def _short(row: dict) -> str:
 
 def phase_smoke() -> dict:
     from dsv4_kernels import check_attn as C
+    from dsv4_kernels import load_all
     from dsv4_kernels._common import compile_kernel
+    load_all()
     r: dict = {"compile": {}}
     for cfg in ({"kv": "fp8", "split": False}, {"kv": "fp8", "split": True}, {"kv": "bf16", "split": False},
                 {"kv": "bf16", "split": True}):

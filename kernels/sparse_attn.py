@@ -184,7 +184,7 @@ class SparseAttn:
             self.producer(st, mQ, mIdx, mA, mB, sQ, sKV, sValid, pipe, tidx, hg, tok, K, n_a, n_b, blk0, nblk)
         else:
             cute.arch.setmaxregister_increase(224)
-            self.consumer(st, mSink, mO, mLse, sQ, sKV, sValid, pipe, tiled_mma_qk, tiled_mma_pv, tidx - 128,
+            self.consumer(st, mSink, mO, mLse, sQ, sKV, sValid, pipe, tiled_mma_qk, tiled_mma_pv, tidx - 128 * wg,
                           wg - 1, hg, tok, split, K, blk0, nblk, scale_log2)
 
     # ----------------------------------------------------------------------------------------------------
