@@ -94,8 +94,8 @@ def main() -> int:
 
     step("compile", 60, compile_step)
     step("tiny", 30, checks("tiny", False, False))
-    step("pro", 100, checks("pro", True, args.pro_compile_baselines))
-    step("flash", 90, checks("flash", True, args.flash_compile_baselines))
+    step("pro", 60, checks("pro", True, args.pro_compile_baselines))
+    step("flash", 60, checks("flash", True, args.flash_compile_baselines))
     def pytest_step():
         import subprocess
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",

@@ -475,6 +475,7 @@ def scores_model(q, k, w, ratio: int):
     prod = (dots * w.float().unsqueeze(-1)).bfloat16().float()
     out = prod.sum(1).bfloat16()
     S, T = out.shape
-    vis = torch.arange(T)[None, :] < (torch.arange(S)[:, None] + 1) // ratio if ratio > 0 else \
-        torch.ones(S, T, dtype=torch.bool)
+    dev = out.device
+    vis = torch.arange(T, device=dev)[None, :] < (torch.arange(S, device=dev)[:, None] + 1) // ratio \
+        if ratio > 0 else torch.ones(S, T, dtype=torch.bool, device=dev)
     return out.masked_fill(~vis, float("-inf"))
