@@ -20,7 +20,7 @@ One CTA = (64 heads of one token, one KV split). 384 threads:
       pieces of bf16 rows straight into the tile), dequantises FP8 rows into a 128B-swizzled bf16 tile
       [BN, 512] (two stages; bf16: a ring of lookahead + 1 tiles), writes the block's row validity next to
       it, fences the generic->async proxy and arrives on the stage's full mbarrier. It also loads the
-      token's Q tile [64, 512] once. Not run on a GPU yet: see tests/test_kernels_attn_gpu.py.
+      token's Q tile [64, 512] once.
   warpgroups 1, 2 (consumers, c = 0, 1): consumer c owns output dims [256c, 256c + 256) (64 x 256 fp32
       accumulator, 128 registers a thread). Per block:
         S_c = Q[:, 256c:256c+256] K[:, 256c:256c+256]^T  (WGMMA m64nBNk16, both operands in smem)
