@@ -81,7 +81,7 @@ def cublas_rate(device: str, n: int = 8192) -> float:
     return 2.0 * n ** 3 / t
 
 
-def bench_pro_layer(device: str, seq_len: int, layer: int) -> dict:
+def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False) -> dict:
     from dsv4debug.capture import CaptureWriter
     from dsv4debug.synth import SyntheticModel
     cfg = preset("pro")
@@ -99,6 +99,13 @@ def bench_pro_layer(device: str, seq_len: int, layer: int) -> dict:
 
     t_cold = timed(forward, device)                      # generates + dequantises the layer's weights
     t_warm = timed(forward, device, repeat=3)            # weights cached: the forward itself
+    if profile:                                           # where a warm forward's time goes, by op and kernel
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            forward()
+            sync(device)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
 
     with tempfile.TemporaryDirectory() as tmp:
         writer = CaptureWriter(Path(tmp) / "bench.h5", {"token_ids": ids.tolist()}, "stats")
@@ -128,18 +135,20 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--layers", default="2,3", help="Pro layers to time on the GPU (2 = CSA, 3 = HCA)")
+    ap.add_argument("--profile", action="store_true", help="print a torch profiler table of one warm forward")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON result")
     args = ap.parse_args()
     rows = []
     if args.device == "cpu":
         rows.append(bench_tiny_cpu(args.seq_len or 256))
     else:
         for layer in (int(x) for x in args.layers.split(",")):
-            rows.append(bench_pro_layer(args.device, args.seq_len or 4096, layer))
+            rows.append(bench_pro_layer(args.device, args.seq_len or 4096, layer, args.profile))
             torch.cuda.empty_cache()
     doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
            "python": platform.python_version(), "machine": platform.machine(), "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"reference-{args.device.split(':')[0]}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"reference-{args.device.split(':')[0]}.json"
     out.write_text(json.dumps(doc, indent=2) + "\n")
     for r in rows:
         print(json.dumps(r))

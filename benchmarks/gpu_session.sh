@@ -23,7 +23,7 @@ log=${OUT:-/tmp}/session.log
       gemm)      cmd=(python3 benchmarks/bench_gemm.py --out $res/gemm ${phases:+--phases $phases}) ;;
       attention) cmd=(python3 benchmarks/bench_attention.py --out $res/attention --deadline $((limit - 10))
                       ${phases:+--phases $phases}) ;;
-      py)        cmd=(python3 ${phases%%,*}) ;;
+      py)        cmd=(python3 ${phases//,/ }) ;;           # py=SCRIPT,ARG,... (results: /tmp/dsv4-results)
       pytest)    cmd=(python3 -m pytest -q -p no:cacheprovider -x ${phases//,/ }) ;;
       *) echo "unknown step $name"; continue ;;
     esac
