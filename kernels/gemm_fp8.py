@@ -200,42 +200,81 @@ class Fp8BlockGemm:
             tCcC = thr_mma.partition_C(cC)
             acc_shape = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
             acc = cute.make_rmem_tensor(acc_shape, Float32)
-            tmp = cute.make_rmem_tensor(acc_shape, Float32)
             acc.fill(0.0)
-            kblocks = cute.size(tCrA, mode=[2])
+            # two block accumulators: the WGMMAs of k-tile t + 1 run while tile t is promoted into acc
+            tmp0 = cute.make_rmem_tensor(acc_shape, Float32)
+            tmp1 = cute.make_rmem_tensor(acc_shape, Float32)
             # this thread's two accumulator rows (r and r + 8)
             r_lo, _ = tCcC[0]
             r_hi, _ = tCcC[2]
             row_lo = cutlass.min(by * self.tile_m + r_lo, m - 1)
             row_hi = cutlass.min(by * self.tile_m + r_hi, m - 1)
 
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            for kt in cutlass.range(k_tiles, unroll=1):
-                sb = mSB[bx, kt]
-                s_lo = mSA[kt, row_lo] * sb
-                s_hi = mSA[kt, row_hi] * sb
-                pipe.consumer_wait(read)
-                warpgroup.fence()
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(kblocks):
-                    cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)],
-                              tmp)
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
+            # pairs of k-tiles keep the buffer choice static; the pipeline states advance only in the loop body
+            rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            rl = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            self.issue(tiled_mma, tCrA, tCrB, tmp0, pipe, rd)
+            rd.advance()
+            for kp in cutlass.range((k_tiles - 1) // 2, unroll=1):
+                self.issue(tiled_mma, tCrA, tCrB, tmp1, pipe, rd)            # tile 2kp + 1
+                rd.advance()
+                warpgroup.wait_group(1)                                     # tile 2kp is done
+                pipe.consumer_release(rl)
+                rl.advance()
+                self.promote(acc, tmp0, mSA, mSB, bx, 2 * kp, row_lo, row_hi)
+                self.issue(tiled_mma, tCrA, tCrB, tmp0, pipe, rd)            # tile 2kp + 2
+                rd.advance()
+                warpgroup.wait_group(1)
+                pipe.consumer_release(rl)
+                rl.advance()
+                self.promote(acc, tmp1, mSA, mSB, bx, 2 * kp + 1, row_lo, row_hi)
+            last = k_tiles - 1 - (k_tiles - 1) % 2                          # the tile now in tmp0
+            rl_next = rl.clone()
+            rl_next.advance()
+            if k_tiles % 2 == 0:                                            # one more tile, into tmp1
+                self.issue(tiled_mma, tCrA, tCrB, tmp1, pipe, rd)
+                warpgroup.wait_group(1)
+                pipe.consumer_release(rl)
+                self.promote(acc, tmp0, mSA, mSB, bx, last, row_lo, row_hi)
                 warpgroup.wait_group(0)
-                pipe.consumer_release(read)
-                read.advance()
-                for i4 in cutlass.range_constexpr(cute.size(acc) // 4):
-                    acc[i4 * 4 + 0] = acc[i4 * 4 + 0] + tmp[i4 * 4 + 0] * s_lo
-                    acc[i4 * 4 + 1] = acc[i4 * 4 + 1] + tmp[i4 * 4 + 1] * s_lo
-                    acc[i4 * 4 + 2] = acc[i4 * 4 + 2] + tmp[i4 * 4 + 2] * s_hi
-                    acc[i4 * 4 + 3] = acc[i4 * 4 + 3] + tmp[i4 * 4 + 3] * s_hi
+                pipe.consumer_release(rl_next)
+                self.promote(acc, tmp1, mSA, mSB, bx, last + 1, row_lo, row_hi)
+            else:
+                warpgroup.wait_group(0)
+                pipe.consumer_release(rl)
+                self.promote(acc, tmp0, mSA, mSB, bx, last, row_lo, row_hi)
 
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, c = tCcC[i]
                 row = by * self.tile_m + r
                 if row < m:
                     mY[row, bx * self.tile_n + c] = acc[i].to(BFloat16)
+
+
+    @cute.jit
+    def issue(self, tiled_mma: cute.TiledMma, tCrA: cute.Tensor, tCrB: cute.Tensor, tmp: cute.Tensor, pipe, rd):
+        """Wait for the stage, queue one k-tile's WGMMAs into tmp (fresh accumulation) and commit them."""
+        pipe.consumer_wait(rd)
+        warpgroup.fence()
+        mma = cute.make_mma_atom(tiled_mma.op)         # a local atom: its accumulate flag stays in this call
+        mma.set(warpgroup.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            cute.gemm(mma, tmp, tCrA[(None, None, kb, rd.index)], tCrB[(None, None, kb, rd.index)], tmp)
+            mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def promote(self, acc: cute.Tensor, tmp: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor, bx: Int32,
+                kt: Int32, row_lo: Int32, row_hi: Int32):
+        """acc += tmp * sa[row, kt] * sb[n-block, kt] (values alternate rows r, r + 8 in pairs)."""
+        sb = mSB[bx, kt]
+        s_lo = mSA[kt, row_lo] * sb
+        s_hi = mSA[kt, row_hi] * sb
+        for i4 in cutlass.range_constexpr(cute.size(acc) // 4):
+            acc[i4 * 4 + 0] = acc[i4 * 4 + 0] + tmp[i4 * 4 + 0] * s_lo
+            acc[i4 * 4 + 1] = acc[i4 * 4 + 1] + tmp[i4 * 4 + 1] * s_lo
+            acc[i4 * 4 + 2] = acc[i4 * 4 + 2] + tmp[i4 * 4 + 2] * s_hi
+            acc[i4 * 4 + 3] = acc[i4 * 4 + 3] + tmp[i4 * 4 + 3] * s_hi
 
 
 def _build_gemm():
