@@ -482,6 +482,160 @@ def repeat_check(checkpoint, token_ids: torch.Tensor, candidate: str, repeats: i
             "deterministic": first is None, "first_difference": first}
 
 
+def graph_check(checkpoint, token_ids: torch.Tensor, candidate: str, graph: str = "compile", device: str = "cpu",
+                qat: bool = True, faults: list[Fault] = (), layers: range | None = None,
+                reference_ops: tuple[str, ...] = (), budget: float = DEFAULT_BUDGET,
+                bitwise: bool | None = None) -> list[dict[str, Any]]:
+    """Eager against graph execution of a backend (--graph): compile[:BACKEND] (torch.compile, inductor by
+    default), cuda (CUDA-graph capture and replay, per op) or all; one report per mode.
+
+    The candidate runs eagerly and drives the flow; the same backend under graph execution shadows it op by op
+    on the very same inputs, so a difference is that op's own. Bitwise equality is expected from CUDA graphs
+    and from compile backends that run the eager kernels (eager, aot_eager); inductor fuses and reorders
+    arithmetic, so there (or with bitwise=False) a value site fails only past `budget` x its local noise
+    floor (the reference in bf16 against fp64 on the same inputs, as in run), and top-k ids only on flips
+    that the op's score differences cannot explain. Names the first site that is not bitwise equal and the
+    first that fails, with the largest difference and its coordinates; an op that fails to compile or to be
+    captured fails at its site."""
+    import torch._dynamo
+
+    from .backends.graph import BITWISE_COMPILE_BACKENDS, GraphBackend, GraphError, parse_graph
+    modes = parse_graph(graph, device)
+    cfg = checkpoint.config
+    layers = layers or range(cfg.n_layers)
+    check_faults_target_sites(list(faults), site_names(cfg, token_ids.numel(), layers))
+
+    def side(run: str, name: str, dtype: torch.dtype = torch.bfloat16, mode: str | None = None) -> Side:
+        b = make_backend(name, device, dtype)
+        if name == candidate and reference_ops:
+            b = HybridBackend(b, make_backend("reference", device), reference_ops)
+        b = GraphBackend(b, mode, compile_backend) if mode else b
+        return Side(run, b, WeightSource(checkpoint, list(faults)), list(faults))
+
+    missing = [op for op in make_backend(candidate, device).missing_ops() if not delegated(op, reference_ops)]
+    if missing:
+        raise BadInput(f"backend '{candidate}' does not implement {', '.join(missing)}: delegate them "
+                       f"explicitly with --reference-ops {','.join(missing)}")
+    reports = []
+    for mode, compile_backend in modes:
+        exact = (mode == "cuda" or compile_backend in BITWISE_COMPILE_BACKENDS) if bitwise is None else bitwise
+        primary = side("candidate", candidate)
+        graphed = side("candidate.graph", candidate, mode=mode)
+        shadows = [(graphed, primary.backend.dtype)]
+        if not exact:                       # local floors: the reference in bf16 and fp64 on the same inputs
+            shadows += [(side("reference", "reference"), torch.bfloat16),
+                        (side("reference.fp64", "reference", torch.float64), torch.float64)]
+        check = _GraphCompare(exact, budget, primary.backend.numerics == "quantized", len(shadows) + 1,
+                              graphed.backend)
+        state = State(token_ids.to(device))
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=64):
+            for stage in stages(cfg, token_ids.numel(), device, qat):
+                if stage.layer >= layers.stop and layers.stop < cfg.n_layers:
+                    break
+                warmup = 0 <= stage.layer < layers.start or (stage.layer < 0 and layers.start > 0)
+                try:
+                    state = _run_stage(stage, primary, state, None if warmup else check.observer(stage.layer),
+                                       () if warmup else shadows)
+                except GraphError as e:
+                    check.failed_op(str(e))
+                    break
+        reports.append({"backend": candidate, "graph": mode if mode == "cuda" else f"compile:{compile_backend}",
+                        "bitwise_expected": exact, "budget": budget, "sites_compared": check.compared,
+                        "sites_bitwise": check.bitwise, "agrees": check.first_failure is None,
+                        "first_difference": check.first_difference, "first_failure": check.first_failure,
+                        "not_captured": check.not_captured})
+    return reports
+
+
+class _GraphCompare:
+    """graph_check's observer: each op's outputs, eager against graph (and the floors' shadows), as they come."""
+
+    def __init__(self, exact: bool, budget: float, quantized: bool, runs: int, graphed: Backend):
+        self.exact, self.budget, self.quantized, self.runs, self.graphed = exact, budget, quantized, runs, graphed
+        self.not_captured: dict[str, dict[str, Any]] = {}     # op -> first site, calls, why (ran eagerly)
+        self.pending: dict[str, dict[str, OpEvent]] = {}
+        self.compared = self.bitwise = 0
+        self.first_difference: dict[str, Any] | None = None
+        self.first_failure: dict[str, Any] | None = None
+        self.current: tuple[OpEvent, int] | None = None       # the op the shadows are running
+
+    def observer(self, layer: int) -> Callable[[OpEvent], None]:
+        def observe(ev: OpEvent) -> None:
+            if ev.run == "candidate":
+                self.current = (ev, layer)
+            elif ev.run == "candidate.graph":
+                for op, why in self.graphed.take_not_captured():
+                    self.not_captured.setdefault(op, {"site": ev.site, "calls": 0, "error": why})["calls"] += 1
+            evs = self.pending.setdefault(ev.site, {})
+            evs[ev.run] = ev
+            if len(evs) == self.runs:
+                del self.pending[ev.site]
+                self._compare(evs, layer)
+        return observe
+
+    def failed_op(self, error: str) -> None:
+        ev, layer = self.current
+        rec = {"site": ev.site, "layer": layer, "op": ev.op, "family": ev.family, "error": error}
+        self.first_difference = self.first_difference or rec
+        self.first_failure = self.first_failure or rec
+
+    def _compare(self, evs: dict[str, OpEvent], layer: int) -> None:
+        e, g = evs["candidate"], evs["candidate.graph"]
+        eo, go = dict(e.outputs), dict(g.outputs)
+        tied = None              # tokens whose top-k ids flipped on a tie: their routing weights differ too
+        for site in sorted(eo, key=lambda s: not is_index_site(s)):
+            a, b = eo[site], go[site]
+            self.compared += 1
+            if _bitwise_equal(a, b):
+                self.bitwise += 1
+                continue
+            rec = {"site": site, "layer": layer, "op": e.op, "family": e.family, **_where_differ(a, b)}
+            if a.shape != b.shape or a.dtype != b.dtype:
+                fails = True
+            elif is_index_site(site):
+                # the gate returns its scores (their differences are the tie margin); indexer_topk's scores
+                # are its input, the same on both sides: only exact ties may flip
+                ss = scores_site_of(site)
+                scores = eo.get(ss, e.inputs[0])
+                margin = float((go[ss].double() - scores.double()).abs().nan_to_num().max()) if ss in eo \
+                    else EXACT_TIE
+                m = index_agreement(a, b, scores, tie_margin=margin)
+                rec |= {k: m[k] for k in ("flips", "ties", "hard_flips")}
+                fails = self.exact or m["hard_flips"] > 0
+                tied = ((a != b).any(-1), a.shape)
+            else:
+                if tied is not None and a.shape == tied[1]:
+                    a, b = a[~tied[0]], b[~tied[0]]
+                rec["rel_l2"] = rel_l2(a, b)
+                fails = self.exact
+                if not self.exact:
+                    floor = _finite_or(rel_l2(dict(evs["reference"].outputs)[site],
+                                              dict(evs["reference.fp64"].outputs)[site]), 0.0)
+                    bar = QUANTIZED_LOCAL_BARS.get(e.family, 0.0) if self.quantized else 0.0
+                    r = SiteResult(site, layer, e.family, e.op, 0, local=compare_fast(a, b), local_floor=floor,
+                                   local_bar=bar)
+                    j = r.judge("local", self.budget)
+                    rec |= {"floor": j["floor"], "x_floor": j["x_floor"]}
+                    fails = j["exceeds"]
+            self.first_difference = self.first_difference or rec
+            if fails and self.first_failure is None:
+                self.first_failure = rec
+
+
+def _where_differ(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    """How many elements differ, the largest difference (inf where only one side is NaN) and where."""
+    if a.shape != b.shape:
+        return {"mismatches": None, "max_abs": None, "coord": None,
+                "shapes": [list(a.shape), list(b.shape)], "dtypes": [str(a.dtype), str(b.dtype)]}
+    x, y = a.double(), b.double()
+    differ = (x != y) & ~(x.isnan() & y.isnan())
+    diff = torch.where(differ, (x - y).abs().nan_to_num(nan=math.inf), 0.0)
+    at = int(diff.view(-1).argmax())
+    return {"mismatches": int(differ.sum()), "max_abs": float(diff.view(-1)[at]),
+            "coord": [int(c) for c in torch.unravel_index(torch.tensor(at), a.shape)],
+            "eager": float(x.view(-1)[at]), "graph": float(y.view(-1)[at])}
+
+
 def moe_diagnostics(result: RunResult) -> dict[int, dict[str, Any]]:
     """Per MoE layer: tokens per expert, each expert's local error on its tokens (reference inputs), and the
     router's top-k agreement with flips against margin (forced and free)."""

@@ -71,7 +71,8 @@ class Backend:
         """Whether `op` runs on this backend's own code (planted faults live there), not delegated."""
         return True
 
-    def dense(self, w: QWeight | None, dtype: torch.dtype) -> torch.Tensor | None:
+    @torch.compiler.disable     # under --graph compile: weights resolve outside the graph, which then guards
+    def dense(self, w: QWeight | None, dtype: torch.dtype) -> torch.Tensor | None:  # on shapes, not names
         """The exact dequantised weight in `dtype` on this backend's device (cached until end_stage)."""
         if w is None:
             return None

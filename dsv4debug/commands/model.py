@@ -107,6 +107,9 @@ def run(checkpoint: Path | None = CheckpointArg,
         pin_router: str | None = typer.Option(None, help="The free candidate routes with the reference's "
                                                  "expert ids (ids) or ids and weights (ids+weights)."),
         repeat: int = typer.Option(1, help="Also run the candidate N times per stage: bitwise determinism."),
+        graph: str | None = typer.Option(None, help="Also run every candidate op under graph execution on the "
+                                         "eager run's inputs and compare: compile[:BACKEND] (torch.compile, "
+                                         "inductor by default) | cuda (CUDA graphs) | all."),
         moe: bool = typer.Option(False, help="Print MoE diagnostics: tokens and local error per expert, routing."),
         json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
         ) -> None:
@@ -121,20 +124,30 @@ def run(checkpoint: Path | None = CheckpointArg,
                        f"nor an op ({', '.join(OPS)})")
     if capture is not None and capture.exists() and not force:
         raise BadInput(f"{capture} exists; pass --force to overwrite it")
+    if graph:
+        from ..backends.graph import parse_graph
+        parse_graph(graph, device)
     with _progress(not json_out and sys.stderr.isatty()) as progress:
         result = api.run(model, ids, candidate=candidate, reference_backend=reference, mode=mode, forcing=forcing,
                          layers=layers, device=device, qat=qat, inject=inject, budget=budget, capture=capture,
                          save=save, force=force, reference_families=fams, pin_router=pin_router,
                          progress=_stage_callback(progress))
+    graphs = None
+    if graph:
+        from ..runner import graph_check
+        kw = {"budget": budget} if budget is not None else {}
+        graphs = graph_check(model, ids, candidate, graph, device, qat, [api.parse_fault(f) for f in inject],
+                             api.parse_layers(layers, model.config), fams, **kw)
     determinism = None
     if repeat > 1:
         from ..faults import parse_fault
         from ..runner import repeat_check
         determinism = repeat_check(model, ids, candidate, repeat, device, qat, [parse_fault(f) for f in inject])
-    failed = result.diverged or (determinism is not None and not determinism["deterministic"])
+    failed = (result.diverged or (determinism is not None and not determinism["deterministic"])
+              or any(not g["agrees"] for g in graphs or ()))
     if json_out:
         from ..runner import moe_diagnostics
-        doc = {"verdict": result.verdict, "determinism": determinism, "missing_ops": result.missing_ops,
+        doc = {"verdict": result.verdict, "determinism": determinism, "graph": graphs, "missing_ops": result.missing_ops,
                "moe": moe_diagnostics(result),
                "timings_s": result.timings,
                "capture": str(capture) if capture else None,
@@ -148,9 +161,32 @@ def run(checkpoint: Path | None = CheckpointArg,
             d = determinism["first_difference"]
             out.print(f"determinism over {repeat} runs: " + ("[green]bitwise identical[/]" if d is None else
                       f"[red]first difference at {d['site']}[/] ({d['mismatches']} elements, max {d['max_abs']})"))
+        for g in graphs or ():
+            _print_graph(g)
         if capture:
             out.print(f"capture written: {capture}")
     raise typer.Exit(1 if failed else 0)
+
+
+def _print_graph(g: dict[str, Any]) -> None:
+    d, f = g["first_difference"], g["first_failure"]
+    status = ("[green]bitwise identical[/]" if d is None else "[green]agrees within the noise floor[/]"
+              if f is None else "[red]differs[/]")
+    out.print(f"eager vs {g['graph']} ({'bitwise' if g['bitwise_expected'] else 'noise floor'}, "
+              f"{g['sites_bitwise']}/{g['sites_compared']} sites bitwise): {status}", highlight=False)
+    for label, r in (("first failure", f), ("first difference", d if d is not f else None)):
+        if r is None:
+            continue
+        if r.get("error") or r["mismatches"] is None:
+            what = r.get("error") or f"shapes {r['shapes']}, dtypes {r['dtypes']}"
+        else:
+            what = (f"{r['mismatches']} elements differ, max |diff| {_fmt(r['max_abs'])} at {r['coord']} "
+                    f"(eager {_fmt(r['eager'])}, graph {_fmt(r['graph'])})"
+                    + (f", {_fmt(r['x_floor'])}x floor" if "x_floor" in r else ""))
+        out.print(f"  {label}: {r['site']} (layer {r['layer']}, op {r['op']}): {what}", highlight=False)
+    for op, n in g["not_captured"].items():
+        out.print(f"  not captured (ran eagerly): {op}, {n['calls']} calls from {n['site']}: {n['error']}",
+                  highlight=False)
 
 
 def _print_moe(result) -> None:
