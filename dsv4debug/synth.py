@@ -39,6 +39,7 @@ from .schema import ModuleSpec, block_modules, global_modules
 SYNTH_VERSION = "1"
 INDEX_NAME = "model.safetensors.index.json"
 CHUNK_ELEMENTS = 1 << 20        # values generated and encoded ~4 MB of float32 at a time: bounded memory
+GPU_CHUNK_ELEMENTS = 1 << 26    # on a GPU, 64M at a time: ~20 launches a chunk, so 1M chunks were launch-bound
 HASH_SLICE = 1 << 14            # CPU hash slices: stay in cache (2-3x faster) and under torch's parallel grain
 SHARD_BLOCKS = 2                # at most this many layers per shard ...
 SHARD_BYTES = 4 << 30           # ... and about this many bytes (a bigger layer gets a shard of its own)
@@ -115,7 +116,8 @@ def _generate(key: int, shape: tuple[int, ...], mean: float, std: float, device:
               ) -> tuple[torch.Tensor, ...]:
     """Values in chunks of whole `block_rows` row groups, each encoded, the encodings concatenated on dim 0."""
     rows, cols = shape[0], math.prod(shape[1:])
-    step = max(block_rows, CHUNK_ELEMENTS // max(cols, 1) // block_rows * block_rows)
+    chunk = GPU_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS     # whole row groups: same values
+    step = max(block_rows, chunk // max(cols, 1) // block_rows * block_rows)
     parts = []
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
