@@ -25,7 +25,7 @@ from .errors import BadInput
 from .execute import Executor, OpEvent, Side, WeightSource
 from .faults import Fault, parse_fault
 from .model import State, stages
-from .runner import RunOptions, RunResult, parse_layers
+from .runner import RunOptions, RunResult, delegated_ops, parse_layers
 from .runner import run as run_side_by_side
 from .synth import default_checkpoint
 
@@ -171,12 +171,13 @@ def run(model: Checkpoint, token_ids: torch.Tensor, candidate: str = "sim", refe
 def writer_runs(opts: RunOptions) -> dict[str, dict[str, Any]]:
     """The recorded runs with their attributes."""
     runs = {"reference": {"backend": opts.reference, "dtype": "bfloat16", "mode": "free"}}
+    ops = ",".join(delegated_ops(opts.candidate, opts.reference_families))
     if opts.mode != "free":
         runs["candidate.forced"] = {"backend": opts.candidate, "dtype": "bfloat16", "mode": "forced",
-                                    "forcing": opts.forcing}
+                                    "forcing": opts.forcing, "delegated_ops": ops}
     if opts.mode != "forced":
         runs["candidate"] = {"backend": opts.candidate, "dtype": "bfloat16", "mode": "free",
-                             "pin_router": opts.pin_router or "none"}
+                             "pin_router": opts.pin_router or "none", "delegated_ops": ops}
     return runs
 
 
@@ -186,6 +187,7 @@ def capture_meta(model: Checkpoint, token_ids: torch.Tensor, opts: RunOptions) -
             "options": {"candidate": opts.candidate, "reference": opts.reference, "mode": opts.mode,
                         "forcing": opts.forcing, "qat": opts.qat, "budget": opts.budget,
                         "pin_router": opts.pin_router, "faults": [str(f) for f in opts.faults],
+                        "delegated_ops": delegated_ops(opts.candidate, opts.reference_families),
                         "tool_version": __version__}}
 
 
@@ -202,7 +204,7 @@ def write_results(writer, result: RunResult) -> None:
               for r in result.sites if r.local_floor is not None or r.free_floor is not None}
     writer.write_floors({s: {k: v for k, v in f.items() if v is not None} for s, f in floors.items()},
                         source=f"reference (bf16) vs reference ({result.options.floor_dtype})")
-    writer.write_verdict(result.verdict)
+    writer.write_verdict(dict(result.verdict, declined_calls=result.declined_calls))
 
 
 __all__ = ["Fault", "ReferenceOutput", "RunResult", "make_tokens", "open_model", "reference", "run"]

@@ -22,7 +22,7 @@ from .execute import Executor, Side, WeightSource
 from .faults import Fault
 from .metrics import MIN_FLOORS
 from .model import State, stages
-from .runner import QUANTIZED_FREE_BAR, HybridBackend, rel_l2
+from .runner import QUANTIZED_FREE_BAR, candidate_backend, rel_l2
 from .verdict import DEFAULT_BUDGET
 
 
@@ -58,7 +58,8 @@ class Bisector:
                  device: str = "cpu", qat: bool = True, faults: list[Fault] = (), budget: float = DEFAULT_BUDGET,
                  on_probe: Callable[[Probe], None] | None = None):
         self.model, self.ids, self.device, self.qat = model, token_ids.to(device), device, qat
-        self.candidate = make_backend(candidate, device)
+        self.candidate_name = candidate
+        self.candidate = candidate_backend(candidate, reference, device)
         self.reference_name = reference
         self.reference = make_backend(reference, device)
         self.faults = list(faults)
@@ -82,9 +83,9 @@ class Bisector:
         return state.h
 
     def _probe(self, what: str, below: int, ref_families: tuple[str, ...]) -> Probe:
-        cand: Backend = self.candidate
+        cand = self.candidate
         if ref_families:
-            cand = HybridBackend(self.candidate, make_backend(self.reference_name, self.device), ref_families)
+            cand = candidate_backend(self.candidate_name, self.reference_name, self.device, ref_families)
         logits = self._forward(cand, lambda i: i < below, self.faults)
         nan = bool(torch.isnan(logits).any())
         err = rel_l2(self.ref_logits, logits) if not nan else math.inf

@@ -82,6 +82,7 @@ RUN_ATTRS = (
     ("dtype", "str", "compute dtype of the run (bfloat16, float32, float64)"),
     ("mode", "str", "free (each side carries its state) or forced (candidate given the reference inputs)"),
     ("layers_completed", "int64[]", "layers whose end_layer flush finished, in order"),
+    ("delegated_ops", "str", "candidate runs: the ops run by the reference (no kernel, --reference-ops), a,b,c"),
     ("*", "any", "further attributes given to begin_run"),
 )
 # (column, numpy dtype, type, meaning) of the compound dataset /runs/<run>/sites, one row per site.

@@ -21,17 +21,19 @@ from .model import W
 
 
 class WeightSource:
-    """Modules read from a checkpoint for the current stage, with weight faults applied; cleared per stage."""
+    """Modules read from a checkpoint for the current stage, with weight faults applied (unless `clean`: for
+    ops a side delegates to the reference, which loads its own weights); cleared per stage."""
 
     def __init__(self, checkpoint, faults: list[Fault] = ()):
         self.checkpoint = checkpoint
         self.faults = [f for f in faults if f.on_weights]
-        self._cache: dict[str, QWeight] = {}
+        self._cache: dict[tuple[str, bool], QWeight] = {}
 
-    def get(self, name: str) -> QWeight:
-        if name not in self._cache:
-            self._cache[name] = apply_weight_faults(self.faults, name, self.checkpoint.module)
-        return self._cache[name]
+    def get(self, name: str, clean: bool = False) -> QWeight:
+        key = (name, clean or not self.faults)
+        if key not in self._cache:
+            self._cache[key] = apply_weight_faults([] if key[1] else self.faults, name, self.checkpoint.module)
+        return self._cache[key]
 
     def clear(self) -> None:
         self._cache.clear()
@@ -55,7 +57,8 @@ class Side:
         self.faults = [f for f in self.faults if not f.on_weights]
 
     def call(self, site: str, op: str, args: tuple, kw: dict) -> Any:
-        resolved = [self.weights.get(a.name) if isinstance(a, W) else a for a in args]
+        own = self.backend.is_candidate_op(op)
+        resolved = [self.weights.get(a.name, clean=not own) if isinstance(a, W) else a for a in args]
         if op == "gate" and self.pin:
             return self._pinned_gate(site, resolved, kw)
         try:
@@ -63,7 +66,7 @@ class Side:
         except UnsupportedOp as e:
             raise UnsupportedOp(f"{e} (site {site})") from None
         for f in self.faults:
-            if f.matches(site) and self.backend.is_candidate_op(op):
+            if own and f.matches(site):
                 out = _map_first(out, lambda t, f=f: apply_activation_fault(f, site, t))
         return out
 

@@ -6,11 +6,23 @@ Activation faults change a site's (first) output on the side they are given to:
   scale@SITE:F       the output is multiplied by F
   noise@SITE:REL     Gaussian noise of REL x the output's RMS is added (seeded, reproducible)
   zero@SITE          the output becomes zeros
+  stale_kv@layers.L  layer L's KV cache is never written: attention reads the zeros it was allocated with
+                     (the output of its kv_cache site, the cache read, is zeros)
 Weight faults change what the side reads from the checkpoint:
   swap_experts@layers.L:A,B          experts A and B of layer L trade places (wrong packing offset)
   swap_w13@layers.L.ffn.experts.E    w1 and w3 of one expert trade places
   block_scale@MODULE[:K]             the first block scale of an FP8/FP4 weight is off by 2**K (default 1)
-SITE may be a glob (`layers.*.attn.kv_cache`).
+  fused_scale@MODULE[:F]             one part of a fused projection is dequantised with the wrong scale: its
+                                     weights come out F times too large (default 2; a power of two for FP8 and
+                                     MXFP4, whose scales are e8m0). A fused GEMM keeps one scale layout for
+                                     all its parts (w1|w3 of an expert or the shared expert; attention's q_a,
+                                     kv, compressor and indexer inputs), so scales read at the wrong offset, or
+                                     a fused NVFP4 w1|w3 that keeps only w1's weight_scale_2, scale one part
+                                     alone. MODULE is that part, e.g. layers.3.ffn.experts.5.w3. (A part
+                                     followed by an RMSNorm, wq_a or wkv, is normalised away downstream: `run`
+                                     shows it at its site, a bisection on the logits cannot.)
+SITE may be a glob (`layers.*.attn.kv_cache`). Weight faults reach only the ops the side runs on its own
+code: an op delegated to the reference reads the clean weights (as the reference's loader would).
 """
 from __future__ import annotations
 
@@ -24,8 +36,18 @@ import torch
 from .errors import BadInput
 from .formats import QWeight
 
-ACTIVATION_KINDS = ("nan", "inf", "scale", "noise", "zero")
-WEIGHT_KINDS = ("swap_experts", "swap_w13", "block_scale")
+ACTIVATION_KINDS = ("nan", "inf", "scale", "noise", "zero", "stale_kv")
+WEIGHT_KINDS = ("swap_experts", "swap_w13", "block_scale", "fused_scale")
+# the targets some kinds require: (regular expression, what it is)
+TARGETS = {
+    "swap_experts": (r"(layers|mtp)\.\d+", "a layer, layers.L"),
+    "swap_w13": (r"(layers|mtp)\.\d+\.ffn\.experts\.\d+", "one expert, layers.L.ffn.experts.E"),
+    "stale_kv": (r"(layers|mtp)\.[\d*]+", "a layer, layers.L (or layers.*)"),
+    "fused_scale": ((r"(layers|mtp)\.\d+\.(ffn\.(experts\.\d+|shared_experts)\.w[13]|"
+                    r"attn\.(wq_a|wkv|indexer\.weights_proj|(indexer\.)?compressor\.(wkv|wgate)))"),
+                    ("a part of a fused projection: w1 or w3 of an expert or the shared expert, or attn.wq_a, "
+                    "attn.wkv, attn.indexer.weights_proj, a compressor's wkv or wgate")),
+}
 
 
 @dataclass(frozen=True)
@@ -42,7 +64,8 @@ class Fault:
         return self.kind in WEIGHT_KINDS
 
     def matches(self, site: str) -> bool:
-        return site == self.target or fnmatch.fnmatchcase(site, self.target)
+        target = self.target + ".attn.kv_cache" if self.kind == "stale_kv" else self.target
+        return site == target or fnmatch.fnmatchcase(site, target)
 
 
 def parse_fault(spec: str) -> Fault:
@@ -51,6 +74,8 @@ def parse_fault(spec: str) -> Fault:
         raise BadInput(f"--inject {spec!r}: expected KIND@SITE[:ARG] with KIND one of "
                        f"{', '.join(ACTIVATION_KINDS + WEIGHT_KINDS)}")
     fault = Fault(m.group(1), m.group(2), m.group(3))
+    if fault.kind in TARGETS and not re.fullmatch(TARGETS[fault.kind][0], fault.target):
+        raise BadInput(f"--inject {spec!r}: {fault.kind} takes {TARGETS[fault.kind][1]}")
     try:
         _check_arg(fault)
     except ValueError:
@@ -65,12 +90,10 @@ def _check_arg(f: Fault) -> None:
         float(f.arg if f.arg is not None else "x")
     elif f.kind == "swap_experts":
         _a, _b = (int(v) for v in (f.arg or "").split(","))
-        if not re.fullmatch(r"(layers|mtp)\.\d+", f.target):
-            raise ValueError
-    elif f.kind == "swap_w13" and not re.fullmatch(r"(layers|mtp)\.\d+\.ffn\.experts\.\d+", f.target):
-        raise ValueError
     elif f.kind == "block_scale" and f.arg is not None:
         int(f.arg)
+    elif (f.kind == "stale_kv" and f.arg is not None) or (f.kind == "fused_scale" and float(f.arg or 2) <= 0):
+        raise ValueError
 
 
 def apply_activation_fault(f: Fault, site: str, out: torch.Tensor) -> torch.Tensor:
@@ -90,7 +113,7 @@ def apply_activation_fault(f: Fault, site: str, out: torch.Tensor) -> torch.Tens
         noise = torch.randn(out.shape, generator=g, dtype=torch.float32).to(out.device)
         rms = out.float().square().mean().sqrt()
         out.add_((noise * rms * float(f.arg)).to(out.dtype))
-    elif f.kind == "zero":
+    elif f.kind in ("zero", "stale_kv"):
         out.zero_()
     return out
 
@@ -109,7 +132,20 @@ def apply_weight_faults(faults: list[Fault], name: str, load) -> QWeight:
             return replace(load(other), name=name)
         elif f.kind == "block_scale" and name == f.target:
             return _shift_first_scale(load(name), int(f.arg or 1))
+        elif f.kind == "fused_scale" and name == f.target:
+            return _scale_part(load(name), float(f.arg or 2))
     return load(name)
+
+
+def _scale_part(w: QWeight, factor: float) -> QWeight:
+    """All of `w` dequantised `factor` times too large, through the tensor its format scales with."""
+    key = {"fp8": "scale", "mxfp4": "scale", "nvfp4": "weight_scale_2", "bf16": "weight"}.get(w.fmt, "")
+    t = w.tensors[key]
+    scaled = (t.float() * factor).to(t.dtype)
+    if not torch.equal(scaled.float(), t.float() * factor):
+        raise BadInput(f"fused_scale fault: {w.name} has {w.fmt} scales, which cannot hold x{factor:g} "
+                       "(use a power of two)")
+    return replace(w, tensors={**w.tensors, key: scaled})
 
 
 def _shift_first_scale(w: QWeight, k: int) -> QWeight:

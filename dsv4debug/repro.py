@@ -117,7 +117,7 @@ class _SavedWeights:
         from .formats import QWeight
         self.modules = {n: QWeight(n, m["fmt"], dict(m["tensors"])) for n, m in modules.items()}
 
-    def get(self, name: str):
+    def get(self, name: str, clean: bool = False):
         return self.modules[name]
 
     def clear(self) -> None:

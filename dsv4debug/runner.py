@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .backends.base import Backend, family_of
-from .backends.registry import make_backend
+from .backends.base import OPS, Backend, family_of
+from .backends.registry import backend_class, make_backend
 from .config import ModelConfig
 from .errors import BadInput
 from .execute import ROUTER_PINS, Executor, OpEvent, Side, WeightSource, check_faults_target_sites
@@ -151,16 +151,28 @@ def delegated(op: str, names: tuple[str, ...]) -> bool:
 
 class HybridBackend(Backend):
     """The candidate with some op families or single ops delegated to the reference (explicit, named in the
-    backend's name): bisection probes, and ops a candidate does not implement yet."""
+    backend's name): bisection probes, and ops a candidate does not implement. Calls the candidate declines
+    (`Backend.unsupported`) run on the reference too, and are listed in `declined` ("op (reason)")."""
 
     def __init__(self, candidate: Backend, reference: Backend, families: tuple[str, ...]):
         super().__init__(candidate.device, candidate.dtype)
         self.candidate, self.reference, self.families = candidate, reference, families
         self.name = f"{candidate.name}+{reference.name}[{','.join(families)}]"
         self.numerics = candidate.numerics
+        self.declined: set[str] = set()
 
     def op(self, op: str):
-        return (self.candidate if self.is_candidate_op(op) else self.reference).op(op)
+        if not self.is_candidate_op(op):
+            return self.reference.op(op)
+        fn = self.candidate.op(op)
+
+        def call(*args, **kw):
+            why = self.candidate.unsupported(op, args)
+            if why is None:
+                return fn(*args, **kw)
+            self.declined.add(f"{op} ({why})")
+            return self.reference.op(op)(*args, **kw)
+        return call
 
     def is_candidate_op(self, op: str) -> bool:
         return not delegated(op, self.families)
@@ -168,6 +180,19 @@ class HybridBackend(Backend):
     def end_stage(self) -> None:
         self.candidate.end_stage()
         self.reference.end_stage()
+
+
+def candidate_backend(name: str, reference: str, device: str, families: tuple[str, ...] = ()) -> HybridBackend:
+    """The candidate backend with the ops it does not implement, and `families`, run by the reference."""
+    candidate = make_backend(name, device)
+    missing = tuple(op for op in candidate.missing_ops() if not delegated(op, families))
+    return HybridBackend(candidate, make_backend(reference, device), tuple(families) + missing)
+
+
+def delegated_ops(candidate: str, families: tuple[str, ...] = ()) -> list[str]:
+    """The ops a run of `candidate` gives to the reference: those it lacks and those delegated explicitly."""
+    missing = backend_class(candidate).missing_ops()
+    return [op for op in OPS if op in missing or delegated(op, families)]
 
 
 class Comparator:
@@ -291,7 +316,9 @@ class RunResult:
     logits: dict[str, torch.Tensor]
     verdict: dict[str, Any]
     timings: dict[str, float]
-    missing_ops: list[str]
+    missing_ops: list[str]          # ops the candidate has no implementation (kernel) of
+    delegated_ops: list[str]        # ops its side ran on the reference: missing_ops and --reference-ops
+    declined_calls: list[str]       # "op (reason)": calls of implemented ops it had no kernel for
 
     @property
     def diverged(self) -> bool:
@@ -348,15 +375,9 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
     cfg = checkpoint.config
     dev = opts.device
     ids = token_ids.to(dev)
-    candidate = make_backend(opts.candidate, dev)
+    cand_backend = candidate_backend(opts.candidate, opts.reference, dev, opts.reference_families)
+    candidate = cand_backend.candidate
     reference = make_backend(opts.reference, dev)
-    cand_backend: Backend = candidate
-    if opts.reference_families:
-        cand_backend = HybridBackend(candidate, make_backend(opts.reference, dev), opts.reference_families)
-    missing = [op for op in candidate.missing_ops() if not delegated(op, opts.reference_families)]
-    if missing:
-        raise BadInput(f"backend '{opts.candidate}' does not implement {', '.join(missing)}; it never falls "
-                       f"back silently: delegate explicitly with --reference-ops {','.join(missing)}")
     hi_dtype = opts.floor_dtype
 
     def side(run: str, backend: Backend, faults=()) -> Side:
@@ -420,7 +441,8 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
     runs = (["candidate.forced"] if do_forced else []) + (["candidate"] if do_free else [])
     logits = {"reference": st_ref.h} | ({"candidate": st_cand.h} if do_free else {})
     return RunResult(cfg, opts, results, logits, _verdict(results, runs, opts.budget), timings,
-                     candidate.missing_ops())
+                     candidate.missing_ops(), delegated_ops(opts.candidate, opts.reference_families),
+                     sorted(cand_backend.declined))
 
 
 def _run_stage(stage, side: Side, state: State, observer, shadows=()) -> State:
@@ -458,7 +480,7 @@ def repeat_check(checkpoint, token_ids: torch.Tensor, candidate: str, repeats: i
     whose outputs differ between repetitions is named (with how many elements and by how much)."""
     if repeats < 2:
         raise BadInput(f"--repeat {repeats}: needs at least 2 runs to compare")
-    backend = make_backend(candidate, device)
+    backend = candidate_backend(candidate, "reference", device)
     side = Side("candidate", backend, WeightSource(checkpoint, list(faults)), list(faults))
     state = State(token_ids.to(device))
     compared, first = 0, None

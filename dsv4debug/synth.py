@@ -271,11 +271,14 @@ def _write_shard(path: Path, cfg: ModelConfig, specs: list[ModuleSpec], seed: in
 
 
 def make_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, experts_format: str | None = None,
-                    force: bool = False, progress: Any = None, device: torch.device | str | None = None
-                    ) -> Path:
+                    force: bool = False, progress: Any = None, device: torch.device | str | None = None,
+                    first_layers: int | None = None) -> Path:
     """Write a synthetic checkpoint (config.json, index, shards) for `cfg` into `out_dir`, atomically.
 
     experts_format: mxfp4 | nvfp4 | fp8 (default: cfg.expert_format). `progress`: a rich Progress (optional).
+    first_layers: write only the first N main layers (no MTP block) of `cfg`'s model: a valid N-layer
+    checkpoint whose modules are bit-identical to those of the full model (SyntheticModel(cfg, base=...)
+    streams the remaining layers on top of it).
     """
     fmt = experts_format or cfg.expert_format
     if fmt not in ("mxfp4", "nvfp4", "fp8"):
@@ -288,18 +291,24 @@ def make_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, expert
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    written = cfg
+    if first_layers is not None:
+        written = dataclasses.replace(cfg.shrink(first_layers), n_mtp_layers=0)
+        written.compress_ratios = written.compress_ratios[:first_layers]
     try:
-        _write_all(tmp, cfg, seed, torch.device(device or "cpu"), progress)
+        _write_all(tmp, cfg, written.validate(), seed, torch.device(device or "cpu"), progress)
         _install(tmp, out, force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _write_all(tmp: Path, cfg: ModelConfig, seed: int, device: torch.device, progress: Any) -> None:
-    plan = shard_plan(cfg)
+def _write_all(tmp: Path, cfg: ModelConfig, written: ModelConfig, seed: int, device: torch.device,
+               progress: Any) -> None:
+    """The modules of `written` (cfg or its first layers) with the values of cfg's model."""
+    plan = shard_plan(written)
     total = sum(_spec_bytes(specs) for specs in plan)
-    task = progress.add_task(f"writing {cfg.name} checkpoint", total=total) if progress else None
+    task = progress.add_task(f"writing {written.name} checkpoint", total=total) if progress else None
 
     def advance(n: int) -> None:
         if progress:
@@ -312,7 +321,9 @@ def _write_all(tmp: Path, cfg: ModelConfig, seed: int, device: torch.device, pro
         weight_map.update({name: shard for s in specs for name in s.tensors()})
     metadata = {"total_size": total, "generator": "dsv4debug", "synth_version": SYNTH_VERSION,
                 "seed": seed, "preset": cfg.name, "expert_format": cfg.expert_format}
-    (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    if written is not cfg:
+        metadata["values_of_layers"] = cfg.n_layers
+    (tmp / "config.json").write_text(json.dumps(written.to_hf(), indent=2) + "\n")
     (tmp / INDEX_NAME).write_text(json.dumps({"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))},
                                              indent=2) + "\n")
 
@@ -351,22 +362,33 @@ class SyntheticModel:
     """A checkpoint stand-in that generates each module on request, on any device (bit-identical to what
     make_checkpoint writes): Pro-shaped models far larger than any disk stream through the same runner."""
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu", base: Any = None):
+        """base: a checkpoint (e.g. the first layers written by make_checkpoint(..., first_layers=N)) whose
+        modules are read from disk instead of generated; they must have this model's names and shapes."""
         self.config = cfg
         self.seed = seed
         self.device = torch.device(device)
+        self.base = base
         self.path = Path(f"<synthetic {cfg.name} seed {seed}>")
         self.specs = {m.name: m for m in global_modules(cfg)}
         for layer in range(cfg.n_layers + cfg.n_mtp_layers):
             self.specs.update({m.name: m for m in block_modules(cfg, layer)})
+        clash = [n for n, m in (base.specs.items() if base else ()) if n in self.specs and
+                 (self.specs[n].shape, self.specs[n].fmt) != (m.shape, m.fmt)]
+        if clash:
+            raise BadInput(f"{base.path}: module '{clash[0]}' differs in shape or format from the synthetic "
+                           f"{cfg.name} model it should be the base of")
 
     @property
     def identity(self) -> dict[str, Any]:
         return {"path": str(self.path), "synthetic": True, "synth_version": SYNTH_VERSION, "seed": self.seed,
-                "preset": self.config.name, "format": self.config.expert_format}
+                "preset": self.config.name, "format": self.config.expert_format,
+                **({"base": self.base.identity} if self.base else {})}
 
     def module(self, name: str) -> QWeight:
         spec = self.specs.get(name)
         if spec is None:
             raise BadInput(f"'{name}' is no module of the synthetic {self.config.name} model")
+        if self.base is not None and name in self.base.specs:
+            return self.base.module(name)
         return synth_module(self.config, spec, self.seed, self.device)

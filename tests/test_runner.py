@@ -2,10 +2,12 @@
 
 Tiny layers: 0 SWA (hash), 1 HCA (hash), 2 CSA (hash), 3 HCA, 4 CSA, 5 SWA (score routing).
 """
+import json
 import sys
 import textwrap
 
 import pytest
+import torch
 
 import dsv4debug.api as dd
 from dsv4debug.backends import registry
@@ -163,16 +165,90 @@ def test_cli_exit_codes(tiny_dir, tmp_path, capsys):
     assert code(*base, "--capture", str(tmp_path / "c.h5"), "--force") == 0
 
 
-def test_missing_ops_are_named_and_can_be_delegated_by_op(tiny, tokens):
-    class NoCombine(registry.backend_class("reference")):
-        name = "no-combine"
-        moe_combine = None                          # an op this candidate does not implement
+class PartialKernels(registry.backend_class("reference")):
+    """A candidate with kernels for some ops only (as `kernels` is): it declares them, the runner delegates
+    the rest to the reference and names them; it also has no kernel for bf16-weight linears."""
+    name = "partial"
+    implements = ("rms_norm", "head_rms_norm", "linear", "rope", "kv_cache", "sparse_attn", "expert")
 
-    registry.register("no-combine", NoCombine)
-    with pytest.raises(BadInput, match="does not implement moe_combine.*--reference-ops moe_combine"):
-        dd.run(tiny, tokens[:16], candidate="no-combine")
-    result = dd.run(tiny, tokens[:16], candidate="no-combine", reference_families=("moe_combine",),
-                    inject=["scale@layers.1.ffn.experts.*:2"])
-    # only moe_combine went to the reference: the experts stayed on the candidate, with their fault
-    assert result.verdict["first_local_divergence"]["family"] == "experts"
+    def unsupported(self, op, args):
+        return "bf16 weights" if op == "linear" and args[1].fmt == "bf16" else None
+
+
+registry.register("partial", PartialKernels)
+
+
+def test_undeclared_ops_run_on_the_reference_and_are_named(tiny, tiny_dir, tokens, tmp_path, capsys):
+    from dsv4debug.capture import CaptureReader
+    from dsv4debug.cli import main
+    lacking = ["embed", "hc_pre", "hc_post", "hc_head", "grouped_linear", "logits", "compressor", "indexer_q",
+               "indexer_scores", "indexer_topk", "gate", "moe_combine"]
+    result = dd.run(tiny, tokens[:32], candidate="partial", reference_families=("rope",),
+                    capture=tmp_path / "p.h5")
+    assert not result.diverged and result.missing_ops == lacking
+    assert result.delegated_ops == [op for op in result.delegated_ops if op in lacking + ["rope"]]
+    assert set(result.delegated_ops) == set(lacking) | {"rope"}
+    assert result.declined_calls == ["linear (bf16 weights)"]         # the CSA layers' indexer.weights_proj
+    cap = CaptureReader(tmp_path / "p.h5")
+    assert cap.run_attrs("candidate")["delegated_ops"] == ",".join(result.delegated_ops)
+    assert cap.verdict()["declined_calls"] == ["linear (bf16 weights)"]
+
+    def cli(*extra):
+        with pytest.raises(SystemExit) as e:
+            main(["run", str(tiny_dir), "--seq-len", "32", "--candidate", "partial", *extra])
+        return e.value.code, capsys.readouterr().out
+
+    code, text = cli()
+    assert code == 0
+    assert "ops without a kernel (run by the reference): " + ", ".join(lacking) in " ".join(text.split())
+    code, text = cli("--json")
+    assert code == 0 and json.loads(text)["delegated_ops"] == lacking
+
+
+def test_faults_reach_only_the_candidates_own_ops(tiny, tokens):
+    # moe_combine is delegated: a fault on the experts (implemented) is found, one on the gate is not planted
+    result = dd.run(tiny, tokens[:32], candidate="partial", inject=["scale@layers.1.ffn.experts.*:2"])
     assert result.verdict["first_local_divergence"]["site"].startswith("layers.1.ffn.experts.")
+    assert not dd.run(tiny, tokens[:32], candidate="partial", inject=["swap_experts@layers.1:0,1"],
+                      reference_families=("experts",)).diverged      # delegated ops read clean weights
+
+
+def test_kernels_candidate_without_a_gpu_is_bad_input(tiny_dir, capsys):
+    from dsv4debug.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(tiny_dir), "--seq-len", "8", "--candidate", "kernels"])
+    assert e.value.code == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+
+
+# the planted faults of issue #9, each named by run (layer and op) and by bisect (layer and op family)
+ISSUE9_FAULTS = [
+    ("nan@layers.4.ffn.experts.1", "layers.4.ffn.experts.1", "experts"),            # NaN in one expert
+    ("swap_experts@layers.1:2,6", "layers.1.ffn.experts.2", "experts"),             # wrong expert packing
+    ("fused_scale@layers.2.ffn.experts.5.w3", "layers.2.ffn.experts.5", "experts"),  # fused w1|w3 scale
+    ("fused_scale@layers.5.ffn.shared_experts.w1:0.5", "layers.5.ffn.shared_experts", "experts"),
+    ("stale_kv@layers.3", "layers.3.attn.kv_cache", "kv_cache"),                    # KV cache never written
+]
+
+
+@pytest.mark.parametrize("fault,site,family", ISSUE9_FAULTS)
+def test_issue9_faults_are_located_by_run_and_bisect(tiny, tokens, fault, site, family):
+    ids = tokens[:96]
+    result = dd.run(tiny, ids, candidate="reference", inject=[fault])
+    assert _named_site(result) == site, result.verdict["message"]
+    layers, ops = bisect(tiny, ids, "reference", "both", faults=[parse_fault(fault)])
+    assert layers.culprit_stage == site.rsplit(".", site.count(".") - 1)[0]
+    assert ops.culprit_families == [family]
+
+
+def test_fused_scale_scales_the_part_in_every_format():
+    from dsv4debug.config import preset
+    from dsv4debug.faults import apply_weight_faults
+    from dsv4debug.synth import SyntheticModel
+    for fmt in ("mxfp4", "nvfp4", "fp8"):
+        m = SyntheticModel(preset("tiny", layers=1, expert_format=fmt))
+        name = "layers.0.ffn.experts.0.w3"
+        w = apply_weight_faults([parse_fault(f"fused_scale@{name}:4")], name, m.module)
+        assert torch.equal(w.dequantize(torch.float32), 4 * m.module(name).dequantize(torch.float32)), fmt
+    with pytest.raises(BadInput, match="power of two"):
+        apply_weight_faults([parse_fault("fused_scale@layers.0.attn.wkv:3")], "layers.0.attn.wkv", m.module)

@@ -48,18 +48,29 @@ class Backend:
     Subclasses implement op methods named as in OPS. `numerics` says what the backend's arithmetic is:
     "bf16" (judged against bf16 noise floors) or "quantized" (FP8/FP4 pipelines: the runner also measures
     how far the `sim` backend lands from the reference, so quantisation noise is not called a bug).
+    `implements` declares the ops the backend runs on its own code (None: every op method it has); a subclass
+    of ReferenceBackend that overrides a few ops declares those, and the runner runs the rest with the
+    reference op and names them in its report (`delegated_ops`), never silently. `unsupported()` declines
+    single calls an implemented op has no kernel for (e.g. a weight format); those are named as well.
     """
     name = "base"
     numerics = "bf16"
+    implements: tuple[str, ...] | None = None
 
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
         self.device = torch.device(device)
         self.dtype = dtype                      # activation dtype of a free run (bf16; fp32/fp64 twins)
         self._cache: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
-    def missing_ops(self) -> list[str]:
-        """Ops of the flow this backend does not implement."""
-        return [op for op in OPS if not callable(getattr(self, op, None))]
+    @classmethod
+    def missing_ops(cls) -> list[str]:
+        """Ops of the flow this backend does not implement (not declared, or no method)."""
+        return [op for op in OPS if not callable(getattr(cls, op, None))
+                or (cls.implements is not None and op not in cls.implements)]
+
+    def unsupported(self, op: str, args: tuple) -> str | None:
+        """Why this backend has no kernel for this call of an implemented op (None: it has one)."""
+        return None
 
     def op(self, op: str):
         fn = getattr(self, op, None)
@@ -72,14 +83,19 @@ class Backend:
         return True
 
     @torch.compiler.disable     # under --graph compile: weights resolve outside the graph, which then guards
-    def dense(self, w: QWeight | None, dtype: torch.dtype) -> torch.Tensor | None:  # on shapes, not names
-        """The exact dequantised weight in `dtype` on this backend's device (cached until end_stage)."""
+    def dense(self, w: QWeight | None, dtype: torch.dtype, keep: bool = True) -> torch.Tensor | None:
+        """The exact dequantised weight in `dtype` on this backend's device, cached until end_stage unless
+        not `keep` (routed experts: a Pro layer's 384 dense experts would hold 51 GB in bf16, 203 GB in fp64).
+        Not traced by --graph compile: weights resolve outside the graph, which then guards on shapes."""
         if w is None:
             return None
         key = (w.name, dtype)          # module names are unique within a side
-        if key not in self._cache:
-            self._cache[key] = w.dequantize(torch.float32, self.device).to(dtype)
-        return self._cache[key]
+        if key in self._cache:
+            return self._cache[key]
+        t = w.dequantize(torch.float32, self.device).to(dtype)
+        if keep:
+            self._cache[key] = t
+        return t
 
     def param(self, w: QWeight | None) -> torch.Tensor | None:
         """Small parameters (norm weights, mHC, sinks, biases, ape) are held in fp32 as DeepSeek does."""

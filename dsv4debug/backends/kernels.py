@@ -1,16 +1,17 @@
 """The `kernels` backend: DeepSeek-V4 ops on our CuTeDSL kernels (kernels/, imported as dsv4_kernels).
 
-It implements an op only where a kernel exists and never falls back to PyTorch silently: the runner
-refuses to start while any op of the flow is missing, naming them, unless the user delegates those op
-families to the reference explicitly (`--reference-ops`), which the report then states.
+It declares the ops it has a kernel for (`implements`, from KERNEL_MODULES) and declines the calls of those
+its kernels do not cover (`unsupported`: bf16-weight linears); the runner runs everything else with the
+reference op and names it in the report ("ops without a kernel (run by the reference)", `delegated_ops`), so
+nothing falls back silently.
 
 Implemented (kernels/ module): rms_norm, head_rms_norm (norm); rope (rope); kv_cache (kv_cache: the
 serving round trip quantise -> paged write -> paged read -> dequantise); hc_pre, hc_post, hc_head (mhc).
 Where an op chains a kernel with torch, it is said here: hc_pre/hc_head allocate outputs and upcast the
 small fp32 parameters with torch; kv_cache builds the block table and slot mapping with torch.
 linear (gemm_fp8, gemm_w4a16): FP8 weights -> per-1x128 FP8 activations and the block-scaled WGMMA GEMM;
-NVFP4/MXFP4 weights -> W4A16 (weights packed once per stage by kernels/w4_pack); bf16 weights have no kernel
-(the op raises). expert: NVFP4/MXFP4 experts -> fused w1|w3 W4A16 GEMM with the SwiGLU/clamp/routing-weight
+NVFP4/MXFP4 weights -> W4A16 (weights packed once per stage by kernels/w4_pack); bf16 weights (the indexer's
+weights_proj) have no kernel (declined: run by the reference). expert: NVFP4/MXFP4 experts -> fused w1|w3 W4A16 GEMM with the SwiGLU/clamp/routing-weight
 epilogue, then w2; FP8 experts (the shared expert) -> three FP8 linears with the SwiGLU in torch (said here).
 sparse_attn (sparse_attn): the joint KV paged into two FP8 caches (window rows, compressed rows) by kv_cache's
 write kernel, the index list translated to cache slots with torch, then the WGMMA attention kernel.
@@ -63,6 +64,7 @@ def _load_gemm_kernels():
 class KernelsBackend(Backend):
     name = "kernels"
     numerics = "quantized"
+    implements = tuple(KERNEL_MODULES)
     kv_block_size = 64
 
     def __init__(self, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16):
@@ -77,6 +79,12 @@ class KernelsBackend(Backend):
         self._gemm = _load_gemm_kernels()
         self._packs: dict[tuple, object] = {}           # packed weights per QWeight, dropped at end_stage
         self._gen = torch.Generator().manual_seed(0)     # block order of the paged KV round trip
+
+    def unsupported(self, op: str, args: tuple) -> str | None:
+        fmt = args[1].fmt if op in ("linear", "expert") else None
+        if fmt is not None and fmt not in ("fp8", "nvfp4", "mxfp4"):
+            return f"{fmt} weights"
+        return None
 
     @staticmethod
     def _bf16(x: torch.Tensor, op: str) -> torch.Tensor:
@@ -179,8 +187,8 @@ class KernelsBackend(Backend):
             return self._gemm["fp8"].fp8_linear(x, q, sb)
         if w.fmt in ("nvfp4", "mxfp4"):
             return self._gemm["w4"].w4a16_linear(x, self._packed("w4", w), w.shape[0])
-        raise BadInput(f"kernels backend op linear: no kernel for {w.fmt} weights ({w.name}); delegate the "
-                       "linear family to the reference (--reference-ops linear)")
+        raise BadInput(f"kernels backend op linear: no kernel for {w.fmt} weights ({w.name}); the runner "
+                       "declines such calls (unsupported) and runs them with the reference op")
 
     def expert(self, x, w1, w3, w2, route_w, *, limit):
         x = self._bf16(x, "expert")

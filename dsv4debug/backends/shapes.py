@@ -25,7 +25,7 @@ class _SchemaWeights:
     def __init__(self, cfg: ModelConfig):
         self.specs = {m.name: m for m in all_modules(cfg)}
 
-    def get(self, name: str) -> QWeight:
+    def get(self, name: str, clean: bool = False) -> QWeight:
         spec = self.specs[name]
         return QWeight(name, "meta", {"shape": torch.empty(spec.shape, device=META)})
 

@@ -55,11 +55,16 @@ def _fmt(x: Any, digits: int = 3) -> str:
     return str(x)
 
 
-def _print_verdict(v: dict[str, Any], missing: list[str], candidate: str) -> None:
+def _print_verdict(result) -> None:
+    v = result.verdict
     colour = {"clean": "green", "diverged": "red", "nan": "bold red"}.get(v["status"], "yellow")
     out.print(f"[{colour}]{v['status'].upper()}[/]: {v['message']}", highlight=False)
-    if missing:
-        out.print(f"[yellow]backend '{candidate}' does not implement: {', '.join(missing)}[/]")
+    asked = [op for op in result.delegated_ops if op not in result.missing_ops]
+    lacking = result.missing_ops + result.declined_calls
+    for label, ops in (("ops without a kernel (run by the reference)", lacking),
+                       ("ops delegated by --reference-ops (run by the reference)", asked)):
+        if ops:
+            out.print(f"[yellow]{label}: {', '.join(ops)}[/]", highlight=False)
     t = Table(title="verdict", show_lines=False)
     for col in ("", "site", "layer", "family", "error", "x floor", "tolerance"):
         t.add_column(col)
@@ -147,14 +152,16 @@ def run(checkpoint: Path | None = CheckpointArg,
               or any(not g["agrees"] for g in graphs or ()))
     if json_out:
         from ..runner import moe_diagnostics
-        doc = {"verdict": result.verdict, "determinism": determinism, "graph": graphs, "missing_ops": result.missing_ops,
+        doc = {"verdict": result.verdict, "determinism": determinism, "graph": graphs,
+               "missing_ops": result.missing_ops,
+               "delegated_ops": result.delegated_ops, "declined_calls": result.declined_calls,
                "moe": moe_diagnostics(result),
                "timings_s": result.timings,
                "capture": str(capture) if capture else None,
                "sites": [r.to_dict(result.options.budget) for r in result.sites]}
         print_json(doc)
     else:
-        _print_verdict(result.verdict, result.missing_ops, candidate)
+        _print_verdict(result)
         if moe:
             _print_moe(result)
         if determinism is not None:

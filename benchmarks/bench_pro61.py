@@ -1,0 +1,241 @@
+"""A 61-layer Pro-shaped run and bisection on one GPU (issue 9), with layer streaming.
+
+The model has Pro's real dimensions and 384 experts. Its first --disk-layers layers (default 2), with the
+embedding and head, are a real-format checkpoint written to disk (make_checkpoint(first_layers=...), on the
+GPU); the other layers are generated on the GPU as they are needed (SyntheticModel over that checkpoint,
+bit-identical to the full synthetic model). Measured, each step with its own peak of GPU memory:
+  forward   one plain forward per backend (reference, candidate): time per layer (weights read/generated
+            and the layer's ops; synchronised at every stage boundary);
+  run       `run` (reference vs candidate, per-op forcing and free, fp64 floors): total and per layer;
+  capture   the same run with a stats capture of every site: the capture's overhead;
+  bisect    `bisect` over all stages (--bisect-axis): total time, probes, culprit.
+Peak memory is compared with one layer's stored weights plus the hidden streams (what layer streaming
+promises: DESIGN.md "Running real models on one GPU"). --planted FAULT plants a fault in the candidate and
+checks that run and bisect name its layer (and run its site).
+
+    python benchmarks/bench_pro61.py --device cuda --out benchmarks/results/pro61-h200.json
+    python benchmarks/bench_pro61.py --preset tiny --tokens 64 --out /tmp/tiny61.json     # CPU smoke run
+
+At the default 1024 tokens a reference Pro layer should take ~50-190 ms of GPU work (190 ms measured at
+4096 tokens, mostly reading the experts' weights); a run does five passes per layer, two of them in fp64.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import dsv4debug.api as dd
+from dsv4debug.backends.registry import make_backend
+from dsv4debug.bisect import bisect
+from dsv4debug.checkpoint import Checkpoint
+from dsv4debug.config import preset
+from dsv4debug.execute import Executor, Side, WeightSource
+from dsv4debug.faults import parse_fault
+from dsv4debug.model import State, stages
+from dsv4debug.runner import candidate_backend
+from dsv4debug.schema import block_modules
+from dsv4debug.synth import SyntheticModel, make_checkpoint
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak(device: str) -> int | None:
+    return torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+
+
+class StageClock:
+    """Seconds per stage from synchronised timestamps at stage boundaries (progress / stage_done callbacks)."""
+
+    def __init__(self, device: str):
+        self.device, self.seconds, self._t = device, {}, None
+
+    def start(self, name: str) -> None:
+        sync(self.device)
+        self._t, self._name = time.perf_counter(), name
+
+    def stop(self) -> None:
+        sync(self.device)
+        self.seconds[self._name] = self.seconds.get(self._name, 0.0) + time.perf_counter() - self._t
+
+
+def forward(model, ids: torch.Tensor, backend, device: str) -> dict[str, float]:
+    """One streamed forward of `backend`: seconds per stage, weights included."""
+    side = Side(backend.name, backend, WeightSource(model))
+    clock, state = StageClock(device), State(ids.to(device))
+    for stage in stages(model.config, ids.numel(), device):
+        clock.start(stage.name)
+        ex = Executor(side)
+        state = stage.run(ex, state)
+        ex.end_stage()
+        clock.stop()
+    return clock.seconds
+
+
+def measured(step: str, device: str, results: dict, fn):
+    reset_peak(device)
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    results[step] = {"seconds": time.perf_counter() - t0, "peak_bytes": peak(device)}
+    print(f"{step}: {results[step]['seconds']:.1f} s, peak {gib(results[step]['peak_bytes'])}", flush=True)
+    return out
+
+
+def gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def layer_bytes(cfg) -> dict[str, int]:
+    """The largest layer's stored weights, and the hidden streams [S, M, D] that travel between layers."""
+    weights = max(sum(math.prod(shape) * dtype.itemsize for m in block_modules(cfg, layer)
+                      for dtype, shape in m.tensors().values()) for layer in range(cfg.n_layers))
+    return {"layer_weights": weights}
+
+
+def run(model, ids: torch.Tensor, a: argparse.Namespace, capture: Path | None, clock: StageClock):
+    """`dsv4debug run` through the API, timing each stage (progress is called before each one)."""
+    def tick(name: str, i: int, n: int) -> None:
+        if i:
+            clock.stop()
+        clock.start(name)
+    result = dd.run(model, ids, candidate=a.candidate, device=a.device, inject=a.planted, capture=capture,
+                    save="stats", force=True, progress=tick)
+    clock.stop()
+    return result
+
+
+def planted_layer(faults: list[str]) -> int | None:
+    layers = {int(m.group(1)) for f in faults if (m := re.search(r"@layers\.(\d+)", f))}
+    return layers.pop() if len(layers) == 1 else None
+
+
+def localisation(res: dict) -> dict | None:
+    """Whether run and bisect name the planted fault's layer."""
+    layer = planted_layer(res["planted"])
+    if layer is None:
+        return None
+    steps = res["steps"]
+    out = {"planted_layer": layer}
+    if "run" in steps:
+        out["run"] = steps["run"]["named_layer"] == layer
+    if "layers" in steps.get("bisect", {}):
+        out["bisect"] = steps["bisect"]["layers"]["culprit_stage"] == f"layers.{layer}"
+    return out
+
+
+def report(res: dict) -> None:
+    b, steps = res["bytes"], res["steps"]
+    print(f"\n{res['preset']}: {res['layers']} layers ({res['disk_layers']} from disk), {res['experts']} experts, "
+          f"{res['tokens']} tokens, candidate {res['candidate']} on {res['gpu'] or res['device']}")
+    print(f"one layer's stored weights {gib(b['layer_weights'])}, streams {gib(b['streams_bf16'])} bf16 / "
+          f"{gib(b['streams_fp64'])} fp64")
+    print(f"{'step':<22}{'seconds':>10}{'peak':>12}{'peak / (layer + fp64 streams)':>32}")
+    for step, d in steps.items():
+        ratio = "-" if d["peak_bytes"] is None else f"{d['peak_bytes'] / (b['layer_weights'] + b['streams_fp64']):.2f}"
+        print(f"{step:<22}{d['seconds']:>10.1f}{gib(d['peak_bytes']):>12}{ratio:>32}")
+    for name, per in res.get("per_layer_s", {}).items():
+        layers = [t for s, t in per.items() if s.startswith("layers.")]
+        disk = layers[:res["disk_layers"]]
+        print(f"forward {name:<14} per layer: mean {sum(layers) / len(layers) * 1e3:.0f} ms, min "
+              f"{min(layers) * 1e3:.0f}, max {max(layers) * 1e3:.0f} (disk layers "
+              f"{', '.join(f'{t * 1e3:.0f}' for t in disk)} ms)")
+    if "run" in steps and "capture" in steps:
+        res["capture_overhead"] = steps["capture"]["seconds"] / steps["run"]["seconds"] - 1
+        print(f"stats capture overhead: {res['capture_overhead']:+.1%}")
+    if "run" in steps:
+        print(f"run: {steps['run']['status']} at {steps['run']['named_site']}; ops without a kernel (run by the "
+              f"reference): {', '.join(steps['run']['delegated_ops'] + steps['run']['declined_calls']) or 'none'}")
+    for axis in ("layers", "ops"):
+        if axis in steps.get("bisect", {}):
+            print(f"bisect {axis}: {steps['bisect'][axis]['message']}")
+    res["localised"] = localisation(res)
+    if res["localised"]:
+        print(f"planted {', '.join(res['planted'])}: located by {res['localised']}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="pro", help="pro (default), flash or tiny (CPU smoke runs)")
+    ap.add_argument("--layers", type=int, default=None, help="main layers (default: all of the preset, 61)")
+    ap.add_argument("--experts", type=int, default=None, help="routed experts (default: the preset's, 384)")
+    ap.add_argument("--disk-layers", type=int, default=2, help="layers written to disk as a checkpoint")
+    ap.add_argument("--checkpoint", type=Path, default=None,
+                    help="directory of that checkpoint; reused if it exists (default: a temporary one)")
+    ap.add_argument("--tokens", type=int, default=1024, help="sequence length (default 1024)")
+    ap.add_argument("--candidate", default="sim", help="candidate backend: sim (default), kernels, reference")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--planted", action="append", default=[], help="fault KIND@SITE[:ARG] in the candidate")
+    ap.add_argument("--bisect-axis", default="layers", help="layers (default) | ops | both")
+    ap.add_argument("--steps", default="forward,run,capture,bisect", help="which steps to run")
+    ap.add_argument("--out", type=Path, required=True, help="write the results as JSON here")
+    a = ap.parse_args(argv)
+    steps = set(a.steps.split(","))
+    dev = a.device
+    if dev == "cpu":
+        torch.set_num_threads(1)
+    cfg = preset(a.preset, layers=a.layers, experts=a.experts)
+    with tempfile.TemporaryDirectory(prefix="pro61-") as tmp:
+        ckpt_dir = a.checkpoint or Path(tmp) / f"{cfg.name}-first{a.disk_layers}"
+        res: dict = {"preset": cfg.name, "layers": cfg.n_layers, "experts": cfg.n_routed_experts,
+                     "disk_layers": a.disk_layers, "tokens": a.tokens, "candidate": a.candidate, "device": dev,
+                     "gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else platform.processor(),
+                     "torch": torch.__version__, "planted": a.planted, "bytes": layer_bytes(cfg), "steps": {}}
+        res["bytes"]["streams_bf16"] = a.tokens * cfg.hc_mult * cfg.dim * 2
+        res["bytes"]["streams_fp64"] = a.tokens * cfg.hc_mult * cfg.dim * 8
+        if not (ckpt_dir / "config.json").exists():
+            measured("write_checkpoint", dev, res["steps"], lambda: make_checkpoint(
+                ckpt_dir, cfg, first_layers=a.disk_layers, device=dev))
+        model = SyntheticModel(cfg, device=dev, base=Checkpoint.open(ckpt_dir))
+        ids = dd.make_tokens(model, seq_len=a.tokens)
+        faults = [parse_fault(f) for f in a.planted]
+        if "forward" in steps:
+            res["per_layer_s"] = {}
+            for name, backend in (("reference", make_backend("reference", dev)),
+                                  (a.candidate, candidate_backend(a.candidate, "reference", dev))):
+                res["per_layer_s"][name] = measured(f"forward_{name}", dev, res["steps"],
+                                                    lambda b=backend: forward(model, ids, b, dev))
+        for step in ("run", "capture"):
+            if step in steps:
+                clock = StageClock(dev)
+                capture = Path(tmp) / "run.h5" if step == "capture" else None
+                r = measured(step, dev, res["steps"], lambda c=capture, k=clock: run(model, ids, a, c, k))
+                v = r.verdict
+                named = v["nan_origin"] or v["first_local_divergence"] or v["first_divergence"] or {}
+                res["steps"][step] |= {"status": v["status"], "named_site": named.get("site"),
+                                       "named_layer": named.get("layer"), "delegated_ops": r.delegated_ops,
+                                       "declined_calls": r.declined_calls, "timings_s": r.timings,
+                                       "per_stage_s": clock.seconds}
+        if "bisect" in steps:
+            out = measured("bisect", dev, res["steps"], lambda: bisect(
+                model, ids, a.candidate, a.bisect_axis, device=dev, faults=faults))
+            res["steps"]["bisect"] |= {r.axis: {k: v for k, v in r.to_dict().items() if k != "probes"}
+                                       | {"probes": len(r.probes)} for r in out}
+    report(res)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    res = main()
+    sys.exit(0 if res["localised"] is None or all(v for k, v in res["localised"].items() if k != "planted_layer")
+             else 1)
