@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> dict:
                      "torch": torch.__version__, "planted": a.planted, "bytes": layer_bytes(cfg), "steps": {}}
         res["bytes"]["streams_bf16"] = a.tokens * cfg.hc_mult * cfg.dim * 2
         res["bytes"]["streams_fp64"] = a.tokens * cfg.hc_mult * cfg.dim * 8
+        def save() -> None:                   # after every step: a call cut short keeps what finished
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+
         if not (ckpt_dir / "config.json").exists():
             measured("write_checkpoint", dev, res["steps"], lambda: make_checkpoint(
                 ckpt_dir, cfg, first_layers=a.disk_layers, device=dev))
@@ -213,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   (a.candidate, candidate_backend(a.candidate, "reference", dev))):
                 res["per_layer_s"][name] = measured(f"forward_{name}", dev, res["steps"],
                                                     lambda b=backend: forward(model, ids, b, dev))
+                save()
         for step in ("run", "capture"):
             if step in steps:
                 clock = StageClock(dev)
@@ -224,14 +229,14 @@ def main(argv: list[str] | None = None) -> dict:
                                        "named_layer": named.get("layer"), "delegated_ops": r.delegated_ops,
                                        "declined_calls": r.declined_calls, "timings_s": r.timings,
                                        "per_stage_s": clock.seconds}
+                save()
         if "bisect" in steps:
             out = measured("bisect", dev, res["steps"], lambda: bisect(
                 model, ids, a.candidate, a.bisect_axis, device=dev, faults=faults))
             res["steps"]["bisect"] |= {r.axis: {k: v for k, v in r.to_dict().items() if k != "probes"}
                                        | {"probes": len(r.probes)} for r in out}
-    report(res)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=2) + "\n")
+        report(res)
+        save()
     return res
 
 
