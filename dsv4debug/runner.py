@@ -255,7 +255,7 @@ class Comparator:
         scores = self.ref_out.get(scores_site_of(site))
         # forced: the candidate selected from the very same scores, so only exact ties may flip;
         # free: its scores carry its accumulated error, flips within that error are ties
-        margin = self.score_err.get(scores_site_of(site), 0.0) if kind == "free" else EXACT_TIE
+        margin = pair_tie_margin(self.score_err.get(scores_site_of(site), 0.0)) if kind == "free" else EXACT_TIE
         m = index_agreement(ref, cand, scores, tie_margin=margin)
         return dict(m, kind="index")
 
@@ -294,6 +294,12 @@ class Comparator:
     def end_stage(self) -> None:
         self.ref_out.clear()
         self.ids.clear()
+
+
+def pair_tie_margin(score_err: float) -> float:
+    """The reference gap below which two ids may legitimately swap rank when every score may be off by up to
+    score_err: one may rise and the other fall, so twice the error."""
+    return 2 * score_err
 
 
 def rel_l2(ref: torch.Tensor, other: torch.Tensor) -> float:
@@ -619,8 +625,8 @@ class _GraphCompare:
                 # are its input, the same on both sides: only exact ties may flip
                 ss = scores_site_of(site)
                 scores = eo.get(ss, e.inputs[0])
-                margin = float((go[ss].double() - scores.double()).abs().nan_to_num().max()) if ss in eo \
-                    else EXACT_TIE
+                margin = pair_tie_margin(float((go[ss].double() - scores.double()).abs().nan_to_num().max())) \
+                    if ss in eo else EXACT_TIE
                 m = index_agreement(a, b, scores, tie_margin=margin)
                 rec |= {k: m[k] for k in ("flips", "ties", "hard_flips")}
                 fails = self.exact or m["hard_flips"] > 0

@@ -117,3 +117,15 @@ def test_compare_fast_equals_compare_on_identical_and_different_tensors():
     b = a.clone()
     b[3, 7] = b[3, 7] * 2 + 1
     assert compare_fast(a, b) == compare(a, b)
+
+
+def test_free_tie_margin_covers_both_scores_moving():
+    """Scores off by up to d each can swap two ids whose reference gap is below 2d: a tie, not a hard flip
+    (a clean sim run on 32 tokens was flagged for such a flip)."""
+    from dsv4debug.runner import pair_tie_margin
+    ref_scores = torch.tensor([[1.0, 0.98, 0.1]])
+    ref_ids, cand_ids = torch.tensor([[0]]), torch.tensor([[1]])      # cand scores 0.985 / 0.995: each off 0.015
+    err = 0.015
+    assert index_agreement(ref_ids, cand_ids, ref_scores, tie_margin=err)["hard_flips"] == 1
+    m = index_agreement(ref_ids, cand_ids, ref_scores, tie_margin=pair_tie_margin(err))
+    assert (m["flips"], m["ties"], m["hard_flips"]) == (1, 1, 0)
