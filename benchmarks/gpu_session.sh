@@ -1,8 +1,9 @@
 #!/bin/bash
 # One device call for the kernels: run after `bash .gpu/a/stage.sh` (call 1, carry .gpu/a), as
 #   bash .gpu/b/finish.sh && . /tmp/site/env.sh && bash benchmarks/gpu_session.sh STEP:SECONDS ...   (carry .gpu/b)
-# STEP is kernels|gemm|attention|pytest|py (a script) with the phases after '=' (e.g. gemm=smoke,check:200). Each step runs
-# under its own wall-clock limit, so one hung kernel costs one step. Every result file is packed into
+# STEP is kernels|gemm|attention|pytest|py with the phases after '=' (e.g. gemm=smoke,check:200); py takes a
+# script and its arguments separated by spaces, quoted as one word ("py=benchmarks/x.py --steps a,b:300").
+# Each step runs under its own wall-clock limit, so one hung kernel costs one step. Every result file is packed into
 # $OUT/results.tar.gz (the device tool returns at most 8 files) and the log goes to $OUT/session.log.
 set -u
 res=/tmp/dsv4-results; rm -rf $res; mkdir -p $res /tmp/pp
@@ -14,7 +15,7 @@ log=${OUT:-/tmp}/session.log
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   for spec in "$@"; do
-    step=${spec%%:*}; limit=${spec##*:}; name=${step%%=*}; phases=""
+    step=${spec%:*}; limit=${spec##*:}; name=${step%%=*}; phases=""
     [[ $step == *=* ]] && phases=${step#*=}
     echo "=== $name ${phases:+($phases) }limit ${limit}s $(date -u +%T)"
     case $name in
@@ -23,7 +24,7 @@ log=${OUT:-/tmp}/session.log
       gemm)      cmd=(python3 benchmarks/bench_gemm.py --out $res/gemm ${phases:+--phases $phases}) ;;
       attention) cmd=(python3 benchmarks/bench_attention.py --out $res/attention --deadline $((limit - 10))
                       ${phases:+--phases $phases}) ;;
-      py)        cmd=(python3 ${phases//,/ }) ;;           # py=SCRIPT,ARG,... (results: /tmp/dsv4-results)
+      py)        cmd=(python3 $phases) ;;                  # word-split on spaces (results: /tmp/dsv4-results)
       pytest)    cmd=(python3 -m pytest -q -p no:cacheprovider -x ${phases//,/ }) ;;
       *) echo "unknown step $name"; continue ;;
     esac
