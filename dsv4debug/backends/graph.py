@@ -59,9 +59,6 @@ class GraphBackend(Backend):
         self._ops: dict[str, Any] = {}
         self.not_captured: list[tuple[str, str]] = []     # (op, why) of calls whose capture failed
 
-    def missing_ops(self) -> list[str]:
-        return self.inner.missing_ops()
-
     def is_candidate_op(self, op: str) -> bool:
         return self.inner.is_candidate_op(op)
 

@@ -11,8 +11,9 @@ Where an op chains a kernel with torch, it is said here: hc_pre/hc_head allocate
 small fp32 parameters with torch; kv_cache builds the block table and slot mapping with torch.
 linear (gemm_fp8, gemm_w4a16): FP8 weights -> per-1x128 FP8 activations and the block-scaled WGMMA GEMM;
 NVFP4/MXFP4 weights -> W4A16 (weights packed once per stage by kernels/w4_pack); bf16 weights (the indexer's
-weights_proj) have no kernel (declined: run by the reference). expert: NVFP4/MXFP4 experts -> fused w1|w3 W4A16 GEMM with the SwiGLU/clamp/routing-weight
-epilogue, then w2; FP8 experts (the shared expert) -> three FP8 linears with the SwiGLU in torch (said here).
+weights_proj) have no kernel (declined: run by the reference). expert: NVFP4/MXFP4 experts (packed per call,
+not kept for the stage) -> fused w1|w3 W4A16 GEMM with the SwiGLU/clamp/routing-weight epilogue, then w2;
+FP8 experts (the shared expert) -> three FP8 linears with the SwiGLU in torch (said here).
 sparse_attn (sparse_attn): the joint KV paged into two FP8 caches (window rows, compressed rows) by kv_cache's
 write kernel, the index list translated to cache slots with torch, then the WGMMA attention kernel.
 indexer_q (compressor module: rope, Hadamard, FP4 sim in one kernel); indexer_scores, indexer_topk (indexer):
