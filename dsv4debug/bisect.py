@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -23,7 +23,12 @@ from .faults import Fault
 from .metrics import MIN_FLOORS
 from .model import State, stages
 from .runner import QUANTIZED_FREE_BAR, candidate_backend, rel_l2
-from .verdict import DEFAULT_BUDGET
+
+# Tolerance at the logits in multiples of their floor (the reference in bf16 against fp64, accumulated over
+# the whole model). Two independent bf16 implementations differ from each other by about sqrt(2) floors, so
+# 2 floors is the least that does not call a clean bf16 candidate divergent; the runner's per-site budget (8)
+# would hide most single-op faults here, since the accumulated floor is far larger than a local one.
+BISECT_BUDGET = 2.0
 
 
 @dataclass
@@ -55,7 +60,7 @@ class BisectResult:
 
 class Bisector:
     def __init__(self, model: Checkpoint, token_ids: torch.Tensor, candidate: str, reference: str = "reference",
-                 device: str = "cpu", qat: bool = True, faults: list[Fault] = (), budget: float = DEFAULT_BUDGET,
+                 device: str = "cpu", qat: bool = True, faults: list[Fault] = (), budget: float = BISECT_BUDGET,
                  on_probe: Callable[[Probe], None] | None = None):
         self.model, self.ids, self.device, self.qat = model, token_ids.to(device), device, qat
         self.candidate_name = candidate
@@ -65,19 +70,27 @@ class Bisector:
         self.faults = list(faults)
         self.on_probe = on_probe
         self.stages = stages(model.config, token_ids.numel(), device, qat)
-        ref_logits = self._forward(self.reference, lambda s: True, [])
-        hi_logits = self._forward(make_backend(reference, device, torch.float64), lambda s: True, [])
-        floor = max(rel_l2(hi_logits, ref_logits.to(hi_logits.dtype)), MIN_FLOORS["rel_l2"])
+        # the reference's input to every stage, kept on the host: a probe "reference below stage k" starts
+        # from the k-th and runs only the candidate's stages (one weight read per stage, not two)
+        self.ref_inputs: list[State] = []
+        ref_logits = self._forward(self.reference, 0, [], keep_inputs=True)
+        self.floor = MIN_FLOORS["rel_l2"]
+        if candidate != reference:          # the reference as candidate (planted faults) rounds identically
+            hi_logits = self._forward(make_backend(reference, device, torch.float64), 0, [])
+            self.floor = max(rel_l2(hi_logits, ref_logits.to(hi_logits.dtype)), self.floor)
         bar = QUANTIZED_FREE_BAR if self.candidate.numerics == "quantized" else 0.0
         self.ref_logits = ref_logits
-        self.tolerance = max(budget * floor, bar)
+        self.tolerance = max(budget * self.floor, bar)
 
-    def _forward(self, cand: Backend, on_reference: Callable[[int], bool], faults: list[Fault]) -> torch.Tensor:
-        ref_side = Side("reference", self.reference, WeightSource(self.model))
-        cand_side = Side("candidate", cand, WeightSource(self.model, faults), faults)
-        state = State(self.ids)
-        for i, stage in enumerate(self.stages):
-            ex = Executor(ref_side if on_reference(i) else cand_side)
+    def _forward(self, backend: Backend, start: int, faults: list[Fault], keep_inputs: bool = False
+                 ) -> torch.Tensor:
+        """Stages start.. on `backend`, from the reference's input to stage `start`."""
+        side = Side(backend.name, backend, WeightSource(self.model, faults), faults)
+        state = _to(self.ref_inputs[start], self.device) if start else State(self.ids)
+        for stage in self.stages[start:]:
+            if keep_inputs:
+                self.ref_inputs.append(_to(state, "cpu"))
+            ex = Executor(side)
             state = stage.run(ex, state)
             ex.end_stage()
         return state.h
@@ -86,7 +99,7 @@ class Bisector:
         cand = self.candidate
         if ref_families:
             cand = candidate_backend(self.candidate_name, self.reference_name, self.device, ref_families)
-        logits = self._forward(cand, lambda i: i < below, self.faults)
+        logits = self._forward(cand, below, self.faults)
         nan = bool(torch.isnan(logits).any())
         err = rel_l2(self.ref_logits, logits) if not nan else math.inf
         probe = Probe(what, [s.name for i, s in enumerate(self.stages) if i >= below],
@@ -135,6 +148,11 @@ class Bisector:
             res.message = ("the divergence persists with every op family on the reference: the candidate "
                            "reads different weights (packing, scales) - see weight faults / checkpoint verify")
         return res
+
+
+def _to(state: State, device: torch.device | str) -> State:
+    moved = {f.name: getattr(state, f.name) for f in fields(state)}
+    return State(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
 def bisect(model: Checkpoint, token_ids: torch.Tensor, candidate: str, axis: str = "layers",

@@ -20,23 +20,48 @@ from .formats import QWeight
 from .model import W
 
 
+class ModuleCache:
+    """A checkpoint's modules of the current stage, read (or generated) once and shared by every side that
+    runs the stage: a layer's weights are in memory once, however many sides (reference, forced and free
+    candidate, fp64 floors) read them. Whoever drives the stages clears it after each one."""
+
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+        self._modules: dict[str, QWeight] = {}
+
+    def module(self, name: str) -> QWeight:
+        if name not in self._modules:
+            self._modules[name] = self.checkpoint.module(name)
+        return self._modules[name]
+
+    def clear(self) -> None:
+        self._modules.clear()
+
+
 class WeightSource:
     """Modules read from a checkpoint for the current stage, with weight faults applied (unless `clean`: for
-    ops a side delegates to the reference, which loads its own weights); cleared per stage."""
+    ops a side delegates to the reference, which loads its own weights); cleared per stage.
 
-    def __init__(self, checkpoint, faults: list[Fault] = ()):
+    `modules`: a ModuleCache shared with other sides of the same stages (its owner clears it); by default the
+    source has its own, cleared with it."""
+
+    def __init__(self, checkpoint, faults: list[Fault] = (), modules: ModuleCache | None = None):
         self.checkpoint = checkpoint
         self.faults = [f for f in faults if f.on_weights]
+        self.modules = modules or ModuleCache(checkpoint)
+        self._owns_modules = modules is None
         self._cache: dict[tuple[str, bool], QWeight] = {}
 
     def get(self, name: str, clean: bool = False) -> QWeight:
         key = (name, clean or not self.faults)
         if key not in self._cache:
-            self._cache[key] = apply_weight_faults([] if key[1] else self.faults, name, self.checkpoint.module)
+            self._cache[key] = apply_weight_faults([] if key[1] else self.faults, name, self.modules.module)
         return self._cache[key]
 
     def clear(self) -> None:
         self._cache.clear()
+        if self._owns_modules:
+            self.modules.clear()
 
 
 ROUTER_PINS = ("ids", "ids+weights")

@@ -24,7 +24,8 @@ from .backends.base import OPS, Backend, family_of
 from .backends.registry import backend_class, make_backend
 from .config import ModelConfig
 from .errors import BadInput
-from .execute import ROUTER_PINS, Executor, OpEvent, Side, WeightSource, check_faults_target_sites
+from .execute import (ROUTER_PINS, Executor, ModuleCache, OpEvent, Side, WeightSource,
+                      check_faults_target_sites)
 from .faults import Fault
 from .metrics import compare_fast, index_agreement
 from .model import State, stages
@@ -385,9 +386,10 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
     candidate = cand_backend.candidate
     reference = make_backend(opts.reference, dev)
     hi_dtype = opts.floor_dtype
+    modules = ModuleCache(checkpoint)                     # a stage's weights read once for all sides
 
     def side(run: str, backend: Backend, faults=()) -> Side:
-        return Side(run, backend, WeightSource(checkpoint, list(faults)), list(faults))
+        return Side(run, backend, WeightSource(checkpoint, list(faults), modules), list(faults))
 
     ref_side = side("reference", reference)
     hi = "reference." + str(hi_dtype).removeprefix("torch.").replace("float", "fp")
@@ -416,6 +418,7 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
             progress(stage.name, n, len(all_stages))
         if 0 <= stage.layer < layers.start or (stage.layer < 0 and layers.start > 0):
             st_ref = st_hi = st_cand = _run_stage(stage, ref_side, st_ref, None)     # warm-up: reference only
+            modules.clear()
             continue
 
         def observer(ev: OpEvent, layer=stage.layer) -> None:
@@ -440,6 +443,7 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
         if do_forced and opts.forcing == "layer":
             _run_stage(stage, cand_forced, st_ref, observer)
         st_ref = new_ref
+        modules.clear()
         cmp.end_stage()
         if stage_done:
             stage_done(stage.layer)
@@ -533,9 +537,11 @@ def graph_check(checkpoint, token_ids: torch.Tensor, candidate: str, graph: str 
     layers = layers or range(cfg.n_layers)
     check_faults_target_sites(list(faults), site_names(cfg, token_ids.numel(), layers))
 
+    modules = ModuleCache(checkpoint)
+
     def side(run: str, backend: Backend, mode: str | None = None) -> Side:
         b = GraphBackend(backend, mode, compile_backend) if mode else backend
-        return Side(run, b, WeightSource(checkpoint, list(faults)), list(faults))
+        return Side(run, b, WeightSource(checkpoint, list(faults), modules), list(faults))
 
     reports = []
     for mode, compile_backend in modes:
@@ -558,6 +564,7 @@ def graph_check(checkpoint, token_ids: torch.Tensor, candidate: str, graph: str 
                 try:
                     state = _run_stage(stage, primary, state, None if warmup else check.observer(stage.layer),
                                        () if warmup else shadows)
+                    modules.clear()
                 except GraphError as e:
                     check.failed_op(str(e))
                     break

@@ -252,3 +252,51 @@ def test_fused_scale_scales_the_part_in_every_format():
         assert torch.equal(w.dequantize(torch.float32), 4 * m.module(name).dequantize(torch.float32)), fmt
     with pytest.raises(BadInput, match="power of two"):
         apply_weight_faults([parse_fault("fused_scale@layers.0.attn.wkv:3")], "layers.0.attn.wkv", m.module)
+
+
+class _CountingModel:
+    """A checkpoint that counts how often each module is read."""
+
+    def __init__(self, model):
+        self.model, self.config, self.reads = model, model.config, {}
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def module(self, name):
+        self.reads[name] = self.reads.get(name, 0) + 1
+        return self.model.module(name)
+
+
+def test_run_reads_each_module_once_for_all_sides(tiny, tokens):
+    """reference, forced and free candidate and both fp64 floors share one read of a stage's weights."""
+    model = _CountingModel(tiny)
+    dd.run(model, tokens[:32], candidate="sim")
+    assert model.reads and set(model.reads.values()) == {1}, {n: c for n, c in model.reads.items() if c != 1}
+
+
+def test_bisect_floor_is_the_fp64_against_bf16_logits(tiny, tokens):
+    """A candidate is allowed the logits' bf16 noise, measured by the fp64 forward (not the bf16 forward
+    against itself); the reference as candidate rounds identically and is allowed none."""
+    from dsv4debug.bisect import Bisector
+    from dsv4debug.metrics import MIN_FLOORS
+    from dsv4debug.runner import rel_l2
+    ids = tokens[:64]
+    lo = dd.reference(tiny, ids).logits
+    hi = dd.reference(tiny, ids, dtype="fp64").logits
+    assert Bisector(tiny, ids, "sim").floor == pytest.approx(rel_l2(hi, lo.double()), rel=1e-6)
+    assert rel_l2(hi, lo.double()) > 4 * MIN_FLOORS["rel_l2"]
+    assert Bisector(tiny, ids, "reference").floor == MIN_FLOORS["rel_l2"]
+
+
+def test_bisect_probe_runs_only_the_candidate_stages(tiny, tokens):
+    """A probe 'reference below stage k' starts from the reference's cached input to stage k: it reads no
+    weights of the stages below k, and gives the logits of running the reference there."""
+    from dsv4debug.bisect import Bisector
+    model = _CountingModel(tiny)
+    b = Bisector(model, tokens[:32], "reference", faults=[parse_fault("swap_w13@layers.3.ffn.experts.4")])
+    model.reads.clear()
+    probe = b._probe("reference below layers.2", 3, ())           # stages: embed, layers.0, ... head
+    assert not [n for n in model.reads if n.startswith(("embed", "layers.0.", "layers.1."))]
+    assert all(model.reads.get(f"layers.{i}.attn_norm.weight") == 1 for i in range(2, 6))
+    assert probe.diverged and b._probe("reference through layers.3", 5, ()).rel_l2 == 0.0

@@ -221,7 +221,7 @@ def bisect(checkpoint: Path | None = CheckpointArg,
            device: str = typer.Option("cpu", help="cpu | cuda."),
            inject: list[str] = typer.Option([], help="Plant a fault KIND@SITE[:ARG] in the candidate."),
            qat: bool = typer.Option(True, help="QAT simulations in model.py."),
-           budget: float | None = typer.Option(None, help="Tolerance in multiples of the logits' noise floor."),
+           budget: float | None = typer.Option(None, help="Tolerance in multiples of the logits' noise floor (default 2)."),
            json_out: bool = typer.Option(False, "--json", help="Print the whole search as JSON."),
            ) -> None:
     """Binary search over layers, or knockout over op families, judged on the final logits."""
