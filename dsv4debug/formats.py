@@ -35,8 +35,10 @@ PLAIN_FORMATS = ("bf16_plain", "f32", "i64")
 # ---- small exact helpers ---------------------------------------------------------------------------
 
 def pow2(e: torch.Tensor) -> torch.Tensor:
-    """2**e as float32, exact, for integer e in [-127, 127] (through the e8m0 bit pattern)."""
-    return (e.to(torch.int32) + 127).to(torch.uint8).view(E8M0).float()
+    """2**e as float32, exact, for integer e in [-127, 127]: the float32 bit pattern (2^-127 is subnormal),
+    the value an e8m0 byte e + 127 decodes to, in integer ops that torch.compile lowers everywhere."""
+    biased = e.to(torch.int32) + 127
+    return torch.where(biased > 0, biased << 23, 1 << 22).view(torch.float32)
 
 
 def e8m0_exponent(scale: torch.Tensor) -> torch.Tensor:

@@ -486,15 +486,31 @@ def test_cli_make_refuses_existing_and_bad_options(mx, tmp_path, capsys):
     assert run_cli(capsys, "checkpoint", "make", str(tmp_path / "x"), "--experts-format", "int4")[0] == 2
 
 
+def _assert_same_module(a, b, name):
+    assert a.tensors.keys() == b.tensors.keys(), name
+    for suffix in a.tensors:
+        x, y = a.tensors[suffix], b.tensors[suffix].cpu()
+        assert (x.dtype, x.shape) == (y.dtype, y.shape) and torch.equal(raw_bits(x), raw_bits(y)), (name, suffix)
+
+
+def test_fused_generation_is_bit_identical_to_eager():
+    """The torch.compile'd generator (hash, normals, encoding in one graph) writes the eager path's bytes, in
+    every stored format; layer 1 (a CSA layer with its indexer) and the global modules."""
+    for fmt in ("mxfp4", "nvfp4", "fp8"):
+        cfg = preset("tiny", expert_format=fmt)
+        for spec in [s for s in all_modules(cfg) if s.name.startswith("layers.1.") or "layers." not in s.name]:
+            _assert_same_module(synth_module(cfg, spec, 3), synth_module(cfg, spec, 3, fused=True), spec.name)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_synth_module_on_gpu_is_bit_identical_to_cpu():
     for fmt in ("mxfp4", "nvfp4"):
         cfg = preset("tiny", expert_format=fmt)
         for spec in all_modules(cfg):
-            cpu, gpu = synth_module(cfg, spec, 5), synth_module(cfg, spec, 5, device="cuda")
-            for suffix in cpu.tensors:
-                assert torch.equal(raw_bits(cpu.tensors[suffix]), raw_bits(gpu.tensors[suffix].cpu())), spec.name
+            cpu = synth_module(cfg, spec, 5)
+            for fused in (False, True):
+                _assert_same_module(cpu, synth_module(cfg, spec, 5, device="cuda", fused=fused), spec.name)
 
 
 def test_synthetic_model_generates_what_make_checkpoint_wrote(tiny):
