@@ -123,6 +123,38 @@ def run(model, ids: torch.Tensor, a: argparse.Namespace, capture: Path | None, c
     return result
 
 
+def compare_generation(cfg, layer: int, device: str) -> dict:
+    """One layer generated eagerly and fused (torch.compile'd chunks), module by module: seconds of each
+    (synchronised; the fused compile warmed up first, on the layer's first modules, and timed apart) and
+    whether every stored byte agrees."""
+    names = [m.name for m in block_modules(cfg, layer)]
+    eager, fused = SyntheticModel(cfg, device=device), SyntheticModel(cfg, device=device, fused=True)
+    sync(device)
+    t0 = time.perf_counter()
+    for n in {fused.specs[n].fmt: n for n in names}.values():      # one module of each format compiles its graph
+        fused.module(n)
+    sync(device)
+    out = {"layer": layer, "modules": len(names), "compile_s": time.perf_counter() - t0, "eager_s": 0.0,
+           "fused_s": 0.0, "differing": []}
+    for n in names:
+        got = {}
+        for key, model in (("eager_s", eager), ("fused_s", fused)):
+            sync(device)
+            t0 = time.perf_counter()
+            got[key] = model.module(n)
+            sync(device)
+            out[key] += time.perf_counter() - t0
+        a, b = got["eager_s"].tensors, got["fused_s"].tensors
+        if a.keys() != b.keys() or not all(a[k].dtype == b[k].dtype and torch.equal(
+                a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a):
+            out["differing"].append(n)
+    out["speedup"] = out["eager_s"] / out["fused_s"]
+    print(f"generate layer {layer}: eager {out['eager_s']:.2f} s, fused {out['fused_s']:.2f} s "
+          f"({out['speedup']:.1f}x; compile {out['compile_s']:.1f} s), {len(out['differing'])} of "
+          f"{len(names)} modules differ", flush=True)
+    return out
+
+
 def planted_layer(faults: list[str]) -> int | None:
     layers = {int(m.group(1)) for f in faults if (m := re.search(r"@layers\.(\d+)", f))}
     return layers.pop() if len(layers) == 1 else None
@@ -185,7 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--planted", action="append", default=[], help="fault KIND@SITE[:ARG] in the candidate")
     ap.add_argument("--bisect-axis", default="layers", help="layers (default) | ops | both")
-    ap.add_argument("--steps", default="forward,run,capture,bisect", help="which steps to run")
+    ap.add_argument("--steps", default="generate,forward,run,capture,bisect", help="which steps to run")
+    ap.add_argument("--eager-weights", action="store_true",
+                    help="generate weights eagerly (default on a GPU: torch.compile'd, the same values)")
     ap.add_argument("--out", type=Path, required=True, help="write the results as JSON here")
     a = ap.parse_args(argv)
     steps = set(a.steps.split(","))
@@ -205,10 +239,15 @@ def main(argv: list[str] | None = None) -> dict:
             a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
 
+        fused = dev.startswith("cuda") and not a.eager_weights
+        res["fused_weights"] = fused
+        if "generate" in steps:
+            res["generate"] = compare_generation(cfg, min(a.disk_layers, cfg.n_layers - 1), dev)
+            save()
         if not (ckpt_dir / "config.json").exists():
             measured("write_checkpoint", dev, res["steps"], lambda: make_checkpoint(
-                ckpt_dir, cfg, first_layers=a.disk_layers, device=dev))
-        model = SyntheticModel(cfg, device=dev, base=Checkpoint.open(ckpt_dir))
+                ckpt_dir, cfg, first_layers=a.disk_layers, device=dev, fused=fused))
+        model = SyntheticModel(cfg, device=dev, base=Checkpoint.open(ckpt_dir), fused=fused)
         ids = dd.make_tokens(model, seq_len=a.tokens)
         faults = [parse_fault(f) for f in a.planted]
         if "forward" in steps:

@@ -43,7 +43,7 @@ class UnsupportedOp(Exception):
 
 
 class Backend:
-    """Base class: weight dequantisation with a per-stage cache, device placement, op lookup.
+    """Base class: weight dequantisation, device placement, op lookup.
 
     Subclasses implement op methods named as in OPS. `numerics` says what the backend's arithmetic is:
     "bf16" (judged against bf16 noise floors) or "quantized" (FP8/FP4 pipelines: the runner also measures
@@ -60,7 +60,6 @@ class Backend:
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
         self.device = torch.device(device)
         self.dtype = dtype                      # activation dtype of a free run (bf16; fp32/fp64 twins)
-        self._cache: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     @classmethod
     def missing_ops(cls) -> list[str]:
@@ -83,23 +82,18 @@ class Backend:
         return True
 
     @torch.compiler.disable     # under --graph compile: weights resolve outside the graph, which then guards
-    def dense(self, w: QWeight | None, dtype: torch.dtype, keep: bool = True) -> torch.Tensor | None:
-        """The exact dequantised weight in `dtype` on this backend's device, cached until end_stage unless
-        not `keep` (routed experts: a Pro layer's 384 dense experts would hold 51 GB in bf16, 203 GB in fp64).
-        Not traced by --graph compile: weights resolve outside the graph, which then guards on shapes."""
+    def dense(self, w: QWeight | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The exact dequantised weight in `dtype` on this backend's device. Not cached: a prefill reads each
+        weight once per stage, and dense copies kept for the stage would hold up to a layer's worth beside the
+        stored weights on every side (fp64 floors: 4x the bf16 bytes; a Pro layer's 384 dense experts would
+        be 51 GB in bf16). Not traced by --graph compile: weights resolve outside the graph."""
         if w is None:
             return None
-        key = (w.name, dtype)          # module names are unique within a side
-        if key in self._cache:
-            return self._cache[key]
-        t = w.dequantize(torch.float32, self.device).to(dtype)
-        if keep:
-            self._cache[key] = t
-        return t
+        return w.dequantize(torch.float32, self.device).to(dtype)
 
     def param(self, w: QWeight | None) -> torch.Tensor | None:
         """Small parameters (norm weights, mHC, sinks, biases, ape) are held in fp32 as DeepSeek does."""
         return self.dense(w, torch.float32)
 
     def end_stage(self) -> None:
-        self._cache.clear()
+        """Called after each stage: backends drop what they kept for it."""

@@ -42,7 +42,7 @@ class SimBackend(ReferenceBackend):
     def expert(self, x, w1, w3, w2, route_w, *, limit):
         quant = nvfp4_act_quant if w1.fmt in ("mxfp4", "nvfp4") else fp8_act_quant
         dt = x.dtype
-        return ref.expert(x, *(self.dense(w, dt, keep=False) for w in (w1, w3, w2)), limit, route_w, quant)
+        return ref.expert(x, *(self.dense(w, dt) for w in (w1, w3, w2)), limit, route_w, quant)
 
     def kv_cache(self, kv, *, rope_dim, qat):
         return ref.kv_qat(kv, rope_dim, enabled=True)       # the serving cache is FP8 whatever the QAT switch
