@@ -111,11 +111,13 @@ def layer_bytes(cfg) -> dict[str, int]:
     return {"layer_weights": weights}
 
 
-def run(model, ids: torch.Tensor, a: argparse.Namespace, capture: Path | None, clock: StageClock):
-    """`dsv4debug run` through the API, timing each stage (progress is called before each one)."""
+def run(model, ids: torch.Tensor, a: argparse.Namespace, capture: Path | None, clock: StageClock, saved):
+    """`dsv4debug run` through the API, timing each stage (progress is called before each one); saved() after
+    each stage, so a call cut short keeps the stages it finished."""
     def tick(name: str, i: int, n: int) -> None:
         if i:
             clock.stop()
+            saved(clock.seconds)
         clock.start(name)
     result = dd.run(model, ids, candidate=a.candidate, device=a.device, inject=a.planted, capture=capture,
                     save="stats", force=True, progress=tick)
@@ -261,7 +263,11 @@ def main(argv: list[str] | None = None) -> dict:
             if step in steps:
                 clock = StageClock(dev)
                 capture = Path(tmp) / "run.h5" if step == "capture" else None
-                r = measured(step, dev, res["steps"], lambda c=capture, k=clock: run(model, ids, a, c, k))
+                def partial(seconds, step=step):
+                    res.setdefault("unfinished", {})[step] = seconds
+                    save()
+                r = measured(step, dev, res["steps"], lambda c=capture, k=clock: run(model, ids, a, c, k, partial))
+                res.get("unfinished", {}).pop(step, None)
                 v = r.verdict
                 named = v["nan_origin"] or v["first_local_divergence"] or v["first_divergence"] or {}
                 res["steps"][step] |= {"status": v["status"], "named_site": named.get("site"),
