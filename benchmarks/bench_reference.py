@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 import dsv4debug.api as dd
-from dsv4debug.backends.registry import make_backend
 from dsv4debug.config import preset
 from dsv4debug.execute import Executor, Side, WeightSource
 from dsv4debug.model import State, stages
+from dsv4debug.runner import candidate_backend
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -81,17 +81,18 @@ def cublas_rate(device: str, n: int = 8192) -> float:
     return 2.0 * n ** 3 / t
 
 
-def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False) -> dict:
+def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False, backend_name: str = "reference"
+                    ) -> dict:
     from dsv4debug.capture import CaptureWriter
     from dsv4debug.synth import SyntheticModel
     cfg = preset("pro")
-    model = SyntheticModel(cfg, seed=0, device=device)
+    model = SyntheticModel(cfg, seed=0, device=device, fused=True)
     stage = stages(cfg, seq_len, device, True)[layer + 1]
     g = torch.Generator(device=device).manual_seed(0)
     h = (torch.randn(seq_len, cfg.hc_mult, cfg.dim, device=device, generator=g)).bfloat16()
     ids = torch.randint(0, cfg.vocab_size, (seq_len,), device=device, generator=g)
-    backend = make_backend("reference", device)
-    side = Side("reference", backend, WeightSource(model))
+    backend = candidate_backend(backend_name, "reference", device)
+    side = Side(backend_name, backend, WeightSource(model))
     routed = seq_len * cfg.n_activated_experts
 
     def forward(observer=None):
@@ -104,8 +105,8 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             forward()
             sync(device)
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
     with tempfile.TemporaryDirectory() as tmp:
         writer = CaptureWriter(Path(tmp) / "bench.h5", {"token_ids": ids.tolist()}, "stats")
@@ -122,6 +123,7 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
     flops = layer_matmul_flops(cfg, layer, seq_len, routed)
     ideal = flops / rate
     return {"case": f"Pro layer {layer} ({cfg.layer_type(layer)}), {seq_len} tokens, 384 experts",
+            "backend": backend_name,
             "layer_type": cfg.layer_type(layer), "matmul_tflop": flops / 1e12, "cublas_tflops": rate / 1e12,
             "ideal_seconds": ideal, "forward_seconds_warm": t_warm, "forward_seconds_cold": t_cold,
             "ratio_to_ideal": t_warm / ideal, "target_ratio": 2.0, "meets_target": t_warm / ideal <= 2.0,
@@ -136,6 +138,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--layers", default="2,3", help="Pro layers to time on the GPU (2 = CSA, 3 = HCA)")
     ap.add_argument("--profile", action="store_true", help="print a torch profiler table of one warm forward")
+    ap.add_argument("--backend", default="reference", help="backend of the Pro layer (default the reference)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON result")
     args = ap.parse_args()
     rows = []
@@ -143,12 +146,13 @@ def main() -> None:
         rows.append(bench_tiny_cpu(args.seq_len or 256))
     else:
         for layer in (int(x) for x in args.layers.split(",")):
-            rows.append(bench_pro_layer(args.device, args.seq_len or 4096, layer, args.profile))
+            rows.append(bench_pro_layer(args.device, args.seq_len or 4096, layer, args.profile, args.backend))
             torch.cuda.empty_cache()
     doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
            "python": platform.python_version(), "machine": platform.machine(), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"reference-{args.device.split(':')[0]}.json"
+    suffix = "" if args.backend == "reference" else f"-{args.backend}"
+    out = args.out / f"reference-{args.device.split(':')[0]}{suffix}.json"
     out.write_text(json.dumps(doc, indent=2) + "\n")
     for r in rows:
         print(json.dumps(r))
