@@ -157,6 +157,28 @@ def compare_generation(cfg, layer: int, device: str) -> dict:
     return out
 
 
+def each_fault(model, ids: torch.Tensor, a: argparse.Namespace) -> dict:
+    """--each: every planted fault in a run and a bisection of its own: what each names, and in how long."""
+    out = {}
+    for spec in a.planted:
+        one = argparse.Namespace(**{**vars(a), "planted": [spec]})
+        t0 = time.perf_counter()
+        v = run(model, ids, one, None, StageClock(a.device), lambda seconds: None).verdict
+        named = v["nan_origin"] or v["first_local_divergence"] or v["first_divergence"] or {}
+        t1 = time.perf_counter()
+        (layers,) = bisect(model, ids, a.candidate, "layers", device=a.device, faults=[parse_fault(spec)])
+        t2 = time.perf_counter()
+        layer = planted_layer([spec])
+        out[spec] = {"run_status": v["status"], "run_named_site": named.get("site"), "run_s": t1 - t0,
+                     "bisect_culprit": layers.culprit_stage, "bisect_message": layers.message,
+                     "bisect_probes": len(layers.probes), "bisect_s": t2 - t1,
+                     "run_located": named.get("layer") == layer,
+                     "bisect_located": layers.culprit_stage == f"layers.{layer}"}
+        print(f"{spec}: run names {named.get('site')} ({t1 - t0:.0f} s); bisect: {layers.message} "
+              f"({t2 - t1:.0f} s)", flush=True)
+    return out
+
+
 def planted_layer(faults: list[str]) -> int | None:
     layers = {int(m.group(1)) for f in faults if (m := re.search(r"@layers\.(\d+)", f))}
     return layers.pop() if len(layers) == 1 else None
@@ -218,6 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--candidate", default="sim", help="candidate backend: sim (default), kernels, reference")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--planted", action="append", default=[], help="fault KIND@SITE[:ARG] in the candidate")
+    ap.add_argument("--each", action="store_true",
+                    help="run and bisect each --planted fault on its own (instead of the steps with all of them)")
     ap.add_argument("--bisect-axis", default="layers", help="layers (default) | ops | both")
     ap.add_argument("--steps", default="generate,forward,run,capture,bisect", help="which steps to run")
     ap.add_argument("--eager-weights", action="store_true",
@@ -251,6 +275,10 @@ def main(argv: list[str] | None = None) -> dict:
                 ckpt_dir, cfg, first_layers=a.disk_layers, device=dev, fused=fused))
         model = SyntheticModel(cfg, device=dev, base=Checkpoint.open(ckpt_dir), fused=fused)
         ids = dd.make_tokens(model, seq_len=a.tokens)
+        if a.each:
+            res["each"] = each_fault(model, ids, a)
+            save()
+            return res
         faults = [parse_fault(f) for f in a.planted]
         if "forward" in steps:
             res["per_layer_s"] = {}
@@ -285,7 +313,12 @@ def main(argv: list[str] | None = None) -> dict:
     return res
 
 
+def located(res: dict) -> bool:
+    """Whether run and bisect named the layer of every planted fault."""
+    if "each" in res:
+        return all(r["run_located"] and r["bisect_located"] for r in res["each"].values())
+    return res["localised"] is None or all(v for k, v in res["localised"].items() if k != "planted_layer")
+
+
 if __name__ == "__main__":
-    res = main()
-    sys.exit(0 if res["localised"] is None or all(v for k, v in res["localised"].items() if k != "planted_layer")
-             else 1)
+    sys.exit(0 if located(main()) else 1)

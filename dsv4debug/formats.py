@@ -192,9 +192,7 @@ def mxfp4_to_nvfp4(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor | None =
     scale is 2^(k_j - (k_max - 8)) in e4m3 and the nibbles are copied bit for bit. Blocks whose exponent is
     more than 17 below k_max fall back to data-derived scales. Returns (nv1, nv3 or None, lossy block count).
     """
-    k_max = int(e8m0_exponent(s1).max())
-    if s3 is not None:
-        k_max = max(k_max, int(e8m0_exponent(s3).max()))
+    k_max = int(torch.stack([e8m0_exponent(s).max() for s in (s1, s3) if s is not None]).max())   # one sync
     scale_2 = torch.tensor(math.ldexp(1.0, k_max - 8), dtype=torch.float32, device=w1.device)
     nv1, lossy1 = _cast_one(w1, s1, k_max, scale_2)
     if w3 is None or s3 is None:
