@@ -24,8 +24,15 @@ from .backends.base import OPS, Backend, family_of
 from .backends.registry import backend_class, make_backend
 from .config import ModelConfig
 from .errors import BadInput
-from .execute import (ROUTER_PINS, Executor, ModuleCache, OpEvent, Side, WeightSource,
-                      check_faults_target_sites)
+from .execute import (
+    ROUTER_PINS,
+    Executor,
+    ModuleCache,
+    OpEvent,
+    Side,
+    WeightSource,
+    check_faults_target_sites,
+)
 from .faults import Fault
 from .metrics import compare_fast, index_agreement
 from .model import State, stages

@@ -27,8 +27,8 @@ from .config import ModelConfig, preset
 from .errors import BadInput
 from .formats import (
     E2M1_MAX,
-    E8M0,
     E4M3_MAX,
+    E8M0,
     PLAIN_FORMATS,
     QWeight,
     fp8_block_quantize,
