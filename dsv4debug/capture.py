@@ -37,6 +37,7 @@ from .h5chunks import (
     content_hash,
     encode_chunks,
     from_storage,
+    read_rows,
     source_array,
     storage_array,
 )
@@ -718,7 +719,7 @@ class CaptureReader:
             return
         step = dset.chunks[0]
         for start in range(0, dset.shape[0], step):
-            yield start, from_storage(dset[start:start + step], dtype)
+            yield start, read_rows(dset, start, min(start + step, dset.shape[0]), dtype)
 
     def metric_runs(self) -> list[str]:
         return list(self._file["metrics"].keys()) if "metrics" in self._file else []

@@ -18,7 +18,7 @@ import torch
 
 from .capture import CaptureReader, plain
 from .errors import BadInput
-from .h5chunks import from_storage
+from .h5chunks import from_storage, read_rows
 from .metrics import MetricAccumulator
 
 
@@ -212,7 +212,7 @@ def stream_compare(a: CaptureReader, b: CaptureReader, run_a: str, run_b: str, s
     row_elems = max(1, math.prod(dset_b.shape[1:])) if dset_b.ndim else 1
     for start, block_a in a.row_blocks(run_a, site):
         rows = block_a.shape[0] if block_a.ndim else 1
-        block_b = from_storage(dset_b[start:start + rows] if dset_b.ndim else dset_b[()], dtype_b)
+        block_b = read_rows(dset_b, start, start + rows, dtype_b) if dset_b.ndim else from_storage(dset_b[()], dtype_b)
         acc.update(block_a, block_b, start * row_elems)
     return acc.result()
 

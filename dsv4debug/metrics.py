@@ -80,7 +80,39 @@ class MetricAccumulator:
 
 
 def _chunk_values(ref: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """_SUMS, then (value, flat index, ref, cand) of each of _MAXES, then the first mismatch (-1: none)."""
     r, c = ref.double(), cand.double()
+    if ref.device.type == "cpu":
+        return _finite_chunk_values(r, c)
+    return _general_chunk_values(r, c)
+
+
+def _finite_chunk_values(r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """_chunk_values of a chunk with no NaN/Inf on either side, in about half the passes (dot products, one
+    mask for the relative error, ULP counts from one bincount); a chunk that has some (its squared norms are
+    then not finite: float64 squares of bf16/float32 values cannot overflow) goes to the general path.
+    Meant for host tensors: the extra sync it costs would stall a GPU."""
+    ref_sq, cand_sq = torch.dot(r, r), torch.dot(c, c)
+    if not (math.isfinite(ref_sq) and math.isfinite(cand_sq)):
+        return _general_chunk_values(r, c)
+    err = (c - r).abs_()
+    abs_r = r.abs()
+    rel = (err / abs_r).masked_fill_(abs_r == 0, 0)
+    ulp = err / bf16_ulp(r)
+    n = r.numel()
+    maxes = []
+    for values in (err, rel, ulp):
+        i = int(values.argmax())
+        maxes += [float(values[i]), i, float(r[i]), float(c[i])]
+    within = torch.bincount(ulp.clamp_(max=5).ceil_().long(), minlength=6).cumsum(0)   # ulp <= 0, 1, ... 5
+    mismatches = int(torch.count_nonzero(err))
+    first = int((err != 0).to(torch.uint8).argmax()) if mismatches else -1
+    sums = [0, 0, 0, 0, 0, mismatches, n, float(torch.dot(r, c)), float(ref_sq), float(cand_sq),
+            float(torch.dot(err, err)), int(within[1]), int(within[2]), int(within[4])]
+    return torch.tensor([*sums, *maxes, first], dtype=torch.float64)
+
+
+def _general_chunk_values(r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     r_nan, c_nan, r_inf, c_inf = r.isnan(), c.isnan(), r.isinf(), c.isinf()
     both = ~(r_nan | c_nan | r_inf | c_inf)
     same_nonfinite = (r_nan & c_nan) | (r_inf & (r == c))

@@ -129,3 +129,26 @@ def test_free_tie_margin_covers_both_scores_moving():
     assert index_agreement(ref_ids, cand_ids, ref_scores, tie_margin=err)["hard_flips"] == 1
     m = index_agreement(ref_ids, cand_ids, ref_scores, tie_margin=pair_tie_margin(err))
     assert (m["flips"], m["ties"], m["hard_flips"]) == (1, 1, 0)
+
+
+def test_finite_fast_path_equals_the_general_path():
+    """The host fast path (chunks without NaN/Inf) gives the general path's counts, indices and maxima
+    exactly and its sums to float64 rounding; a chunk with NaN or Inf takes the general path."""
+    from dsv4debug.metrics import _SUMS, _finite_chunk_values, _general_chunk_values
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(50_000, generator=g).bfloat16()
+    cand = (ref.float() + 0.01 * torch.randn(50_000, generator=g)).bfloat16()
+    cand[::7] = ref[::7]                                     # exact matches
+    ref[5::11] = 0                                           # zeros in the reference (relative error 0)
+    ref[3] = 2.0 ** -130                                     # a subnormal: the ULP floor
+    fast = _finite_chunk_values(ref.double(), cand.double())
+    slow = _general_chunk_values(ref.double(), cand.double())
+    sums = {"dot", "ref_sq", "cand_sq", "err_sq"}
+    for i, (a, b) in enumerate(zip(fast.tolist(), slow.tolist())):
+        if i < len(_SUMS) and _SUMS[i] in sums:
+            assert a == pytest.approx(b, rel=1e-12), _SUMS[i]
+        else:
+            assert a == b, i
+    cand[10] = float("nan")
+    assert torch.equal(_finite_chunk_values(ref.double(), cand.double()),
+                       _general_chunk_values(ref.double(), cand.double()))
