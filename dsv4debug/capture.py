@@ -268,7 +268,6 @@ class _SiteJob:
 @dataclass
 class _Encoded:
     job: _SiteJob
-    stats: dict[str, Any]
     dtype: np.dtype | None = None              # dataset dtype
     small: np.ndarray | None = None            # scalar or empty tensor, written without chunks
     chunk: tuple[int, ...] | None = None
@@ -472,20 +471,23 @@ class CaptureWriter:
         self._write_q.put(None)
 
     def _encode(self, job: _SiteJob) -> _Encoded:
-        stats = stats_dict(job.stat_values(), job.dtype, job.shape)
+        """Submit the site's hash and chunk encodings; its statistics are awaited only by the write loop, so
+        the next site's work is queued while this one's host statistics still run."""
+        if job.ready is not None:
+            job.ready.synchronize()             # the pinned copies of a GPU tensor have landed
         if job.data is None:
-            return _Encoded(job, stats)
+            return _Encoded(job)
         arr, dtype, widen = source_array(job.data)
         digest = self._pool.submit(content_hash, job.data)
         if arr.ndim == 0 or arr.size == 0:
-            return _Encoded(job, stats, dtype, small=storage_array(job.data), hash=digest)
+            return _Encoded(job, dtype, small=storage_array(job.data), hash=digest)
         chunk = chunk_shape(arr.shape, dtype.itemsize)
         origins = list(itertools.product(*[range(0, s, c) for s, c in zip(arr.shape, chunk)]))
         per_task = max(1, TASK_BYTES // (int(np.prod(chunk)) * dtype.itemsize))
         batches = [origins[i:i + per_task] for i in range(0, len(origins), per_task)]
         tasks = [(batch, self._pool.submit(encode_chunks, arr, batch, chunk, self.compression, widen))
                  for batch in batches]
-        return _Encoded(job, stats, dtype, chunk=chunk, chunks=tasks, hash=digest)
+        return _Encoded(job, dtype, chunk=chunk, chunks=tasks, hash=digest)
 
     def _write_loop(self) -> None:
         while (item := self._write_q.get()) is not None:
@@ -505,8 +507,9 @@ class CaptureWriter:
 
     def _write_site(self, enc: _Encoded) -> None:
         job = enc.job
-        stats = dict(enc.stats, shape=json.dumps(enc.stats["shape"]),
-                     first_nonfinite=json.dumps(enc.stats.get("first_nonfinite")))
+        site_stats = stats_dict(job.stat_values(), job.dtype, job.shape)
+        stats = dict(site_stats, shape=json.dumps(site_stats["shape"]),
+                     first_nonfinite=json.dumps(site_stats.get("first_nonfinite")))
         row = {**job.row, **stats, "stored": enc.dtype is not None}
         self._rows[job.run].append(tuple(row[name] for name in SITE_DTYPE.names))
         if enc.dtype is None:
