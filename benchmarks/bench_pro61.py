@@ -120,7 +120,7 @@ def run(model, ids: torch.Tensor, a: argparse.Namespace, capture: Path | None, c
             saved(clock.seconds)
         clock.start(name)
     result = dd.run(model, ids, candidate=a.candidate, device=a.device, inject=a.planted, capture=capture,
-                    save="stats", force=True, progress=tick)
+                    save="stats", force=True, progress=tick, layers=a.run_layers)
     clock.stop()
     return result
 
@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--candidate", default="sim", help="candidate backend: sim (default), kernels, reference")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--planted", action="append", default=[], help="fault KIND@SITE[:ARG] in the candidate")
+    ap.add_argument("--run-layers", default=None, metavar="A:B",
+                    help="run/capture compare layers A..B-1 only (those below run on the reference alone): a "
+                         "61-layer run split over device calls")
     ap.add_argument("--each", action="store_true",
                     help="run and bisect each --planted fault on its own (instead of the steps with all of them)")
     ap.add_argument("--bisect-axis", default="layers", help="layers (default) | ops | both")

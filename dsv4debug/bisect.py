@@ -108,12 +108,20 @@ class Bisector:
             self.on_probe(probe)
         return probe
 
+    def _clean_message(self, probe: Probe) -> str:
+        msg = (f"the candidate does not diverge at the logits (rel L2 {probe.rel_l2:.3g} <= {probe.tolerance:.3g}): "
+               "nothing to bisect")
+        if self.candidate.numerics == "quantized":
+            msg += ("; a quantising candidate is allowed its quantisation noise there, which hides faults smaller "
+                    "than it: `dsv4debug run` compares every op on the reference's inputs and finds those")
+        return msg
+
     def layers(self) -> BisectResult:
         res = BisectResult("layers")
         first = self._probe("candidate everywhere", 0, ())
         res.probes.append(first)
         if not first.diverged:
-            res.message = "the candidate does not diverge at the logits: nothing to bisect"
+            res.message = self._clean_message(first)
             return res
         lo, hi = 0, len(self.stages)           # diverges with stages >= lo on the candidate; clean at hi
         while hi - lo > 1:
@@ -132,7 +140,7 @@ class Bisector:
         first = self._probe("candidate everywhere", 0, on_ref)
         res.probes.append(first)
         if not first.diverged:
-            res.message = "the candidate does not diverge at the logits: nothing to bisect"
+            res.message = self._clean_message(first)
             return res
         for fam in FAMILIES:
             trial = on_ref + (fam,)
