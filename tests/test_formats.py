@@ -223,3 +223,27 @@ def test_qweight_shapes_bytes_and_dequantize():
     assert torch.equal(nv.dequantize(), nvfp4_dequantize(packed, ws, s2))
     assert plain.dequantize().dtype == torch.float32 and bits_equal(plain.dequantize(torch.bfloat16),
                                                                     plain.tensors[""])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_fused_dequantize_is_bit_identical_to_eager(device):
+    """The torch.compile'd dequantisation (the GPU path of every backend) gives the eager values in every
+    block format and target dtype, NaN scales included."""
+    from dsv4debug.config import preset
+    from dsv4debug.schema import block_modules
+    from dsv4debug.synth import synth_module
+    for fmt in ("mxfp4", "nvfp4", "fp8"):
+        cfg = preset("tiny", expert_format=fmt)
+        specs = [s for s in block_modules(cfg, 1) if s.fmt in ("fp8", "mxfp4", "nvfp4")][:12]
+        for spec in specs:
+            w = synth_module(cfg, spec, 1)
+            for dtype in (torch.bfloat16, torch.float32, torch.float64):
+                a, b = w.dequantize(dtype, device), w.dequantize(dtype, device, fused=True)
+                assert a.dtype == b.dtype == dtype and torch.equal(a.view(-1).view(torch.uint8),
+                                                                   b.view(-1).view(torch.uint8)), (spec.name, dtype)
+    w = synth_module(preset("tiny"), next(s for s in block_modules(preset("tiny"), 1) if s.fmt == "fp8"), 1)
+    w.tensors["scale"].view(torch.uint8)[0, 0] = 255                   # e8m0 NaN
+    a, b = w.dequantize(device=device), w.dequantize(device=device, fused=True)
+    assert a[:128, :128].isnan().all() and b.isnan().sum() == a.isnan().sum()
+    assert torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -86,10 +86,11 @@ class Backend:
         """The exact dequantised weight in `dtype` on this backend's device. Not cached: a prefill reads each
         weight once per stage, and dense copies kept for the stage would hold up to a layer's worth beside the
         stored weights on every side (fp64 floors: 4x the bf16 bytes; a Pro layer's 384 dense experts would
-        be 51 GB in bf16). Not traced by --graph compile: weights resolve outside the graph."""
+        be 51 GB in bf16). On a GPU through the fused (torch.compile'd, bit-identical) dequantisation. Not
+        traced by --graph compile: weights resolve outside the graph."""
         if w is None:
             return None
-        return w.dequantize(torch.float32, self.device).to(dtype)
+        return w.dequantize(dtype, self.device, fused=self.device.type == "cuda")
 
     def param(self, w: QWeight | None) -> torch.Tensor | None:
         """Small parameters (norm weights, mHC, sinks, biases, ape) are held in fp32 as DeepSeek does."""
