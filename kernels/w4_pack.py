@@ -32,6 +32,8 @@ flips the codes' signs. NaN scales are refused.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BLOCK_ROWS = 64           # rows per warpgroup block
@@ -84,20 +86,36 @@ def pack_nvfp4(packed: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2:
     """One NVFP4 weight (uint8 [N, K/2], e4m3 [N, K/16], fp32 scalar) -> (blob, sblob, gscale) with E = 1."""
     n, k = packed.shape[0], packed.shape[1] * 2
     _check_shape(n, k)
-    dev = packed.device
+    u, zero, neg = encode_scales(weight_scale)                         # [N, K/16]; checks them (one sync)
+    layout = _fused_layout() if packed.is_cuda else _layout
+    blob, sblob = layout(packed, u, zero, neg)
+    gscale = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=packed.device).reshape(1) * 128.0
+    return blob, sblob, gscale
+
+
+def _layout(packed: torch.Tensor, u: torch.Tensor, zero: torch.Tensor, neg: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and encoded scales in the kernel's layout: ([1, N/64, K/64, 4, 32, 4] words, [1, ..., 8, 8] bytes)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
     codes = _codes(packed).to(torch.int32)                             # [N, K]
-    u, zero, neg = encode_scales(weight_scale)                         # [N, K/16]
     zero16 = zero.repeat_interleave(16, dim=1)
     neg16 = neg.repeat_interleave(16, dim=1)
     codes = torch.where(zero16, torch.zeros_like(codes), codes ^ (neg16.to(torch.int32) << 3))
 
     # row n = rb*64 + w*16 + h*8 + g ; col k = c*64 + j*16 + s*8 + q*2 + e ; output word o = 2*s + h
-    blob = _words(codes, n, k).reshape(n // 64, k // 64, 4, 32, 4)
+    blob = _words(codes, n, k).reshape(1, n // 64, k // 64, 4, 32, 4)
 
     uu = u.view(n // 64, 4, 2, 8, k // 64, 4)                          # rb w h g c j
-    sblob = uu.permute(0, 4, 1, 3, 5, 2).reshape(n // 64, k // 64, 4, 8, 8).contiguous()   # rb c w g (j h)
-    gscale = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=dev).reshape(1) * 128.0
-    return blob.unsqueeze(0).contiguous(), sblob.unsqueeze(0), gscale
+    sblob = uu.permute(0, 4, 1, 3, 5, 2).reshape(1, n // 64, k // 64, 4, 8, 8)   # rb c w g (j h)
+    return blob.contiguous(), sblob.contiguous()
+
+
+@functools.cache
+def _fused_layout():
+    """_layout as one torch.compile'd graph (integer ops only: the same bytes), for GPU tensors: a Pro layer's
+    384 experts are repacked on every call."""
+    from dsv4debug.formats import exact_compile
+    return exact_compile(_layout)
 
 
 def _spread_table() -> torch.Tensor:

@@ -209,3 +209,15 @@ def test_pack_expert_from_checkpoint_weights():
     bad = QWeight("e.w3", "nvfp4", dict(nv[1].tensors, weight_scale_2=torch.tensor(0.02)))
     with pytest.raises(ValueError, match="weight_scale_2"):
         moe.pack_expert(nv[0], bad, nv[2])
+
+
+def test_fused_layout_writes_the_eager_bytes():
+    """The torch.compile'd repack (the GPU path) equals the eager one, zero and negative scales included."""
+    from dsv4_kernels import w4_pack
+    g = torch.Generator().manual_seed(7)
+    packed = torch.randint(0, 256, (256, 192), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(256, 24, generator=g) * 8 - 2).to(torch.float8_e4m3fn)
+    scale[3, :4] = 0
+    u, zero, neg = w4_pack.encode_scales(scale)
+    for a, b in zip(w4_pack._layout(packed, u, zero, neg), w4_pack._fused_layout()(packed, u, zero, neg)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
