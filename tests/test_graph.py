@@ -110,5 +110,7 @@ def test_cli_graph_bad_values_exit_2(tiny_dir, capsys):
 def test_cuda_graphs_replay_bitwise_and_catch_frozen_host_state(tiny, tokens):
     [clean] = graph_check(tiny, tokens, "reference", "cuda", device="cuda", layers=range(1))
     assert clean["agrees"] and clean["bitwise_expected"] and clean["sites_bitwise"] == clean["sites_compared"]
+    # ops with weights are captured (their weights moved to the GPU first), not run eagerly
+    assert not {"linear", "expert", "grouped_linear"} & set(clean["not_captured"]), clean["not_captured"]
     [frozen] = graph_check(tiny, tokens, "frozen-counter", "cuda", device="cuda", layers=range(1))
     assert frozen["first_failure"]["site"] == "layers.0.attn.q_head_norm"

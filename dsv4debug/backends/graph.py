@@ -6,19 +6,21 @@ inputs op by op, so any difference is that op's own under graph execution.
 
 CUDA graphs are captured per op, not per layer: the flow syncs with the host between ops (the expert token
 counts of MoE routing, the embedding's and the hash router's row gathers), which no graph can hold. Each call
-copies its inputs into static buffers, warms the op up on a side stream (lazy initialisation; it also fills
-the weight cache, so no host-to-device copy is captured), captures it, replays it, and copies the outputs
+copies its inputs into static buffers and its weights to the device (so no host-to-device copy is captured),
+warms the op up on a side stream (lazy initialisation, compiles), captures it, replays it, and copies the outputs
 out of the graph's memory pool (the static output buffers, freed with the graph) into ordinary tensors. An op
 whose capture fails (a host sync: the reference's embedding and hash-routing gathers read host tables) runs
 eagerly instead and is named in `not_captured`, never silently.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..errors import BadInput
+from ..formats import QWeight
 from .base import Backend
 
 # compile backends that run the eager kernels (bitwise equality expected); inductor generates its own
@@ -77,7 +79,7 @@ class GraphBackend(Backend):
         return out
 
     def _cuda_graph_call(self, op: str, fn, args: tuple, kw: dict) -> Any:
-        static = [_static(a) for a in args]
+        static = [_static(a, self.device) for a in args]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -114,12 +116,16 @@ def _reporting(op: str, name: str, fn):
     return call
 
 
-def _static(a: Any) -> Any:
-    """A static copy of an activation argument (tensors, and dicts of them); weights and scalars as they are."""
+def _static(a: Any, device: torch.device) -> Any:
+    """A static copy of an activation argument (tensors, and dicts of them); weights moved to the device
+    before capture (backends dequantise per call: a host-to-device copy cannot be captured); scalars as
+    they are."""
     if isinstance(a, torch.Tensor):
         return a.clone()
     if isinstance(a, dict):
-        return {k: _static(v) for k, v in a.items()}
+        return {k: _static(v, device) for k, v in a.items()}
+    if isinstance(a, QWeight):
+        return replace(a, tensors={k: t.to(device) for k, t in a.tensors.items()})
     return a
 
 
