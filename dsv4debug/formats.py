@@ -260,13 +260,14 @@ class QWeight:
 def exact_compile(fn: Callable) -> Callable:
     """torch.compile(fn) (dynamic shapes, one graph) that rounds as eager does: precision casts emulated, which
     also keeps Triton from contracting a multiply and an add into an FMA. The recompile limit is raised: callers
-    compile partials of one function (one code object, one cache) for several formats and dtypes."""
+    compile partials of one function (one code object, one cache of graphs) for every format and dtype, and
+    fullgraph=True turns a hit limit into an error."""
     compiled = torch.compile(fn, dynamic=True, fullgraph=True)
 
     def run(*args):
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
-        with inductor_config.patch(emulate_precision_casts=True), dynamo_config.patch(recompile_limit=32):
+        with inductor_config.patch(emulate_precision_casts=True), dynamo_config.patch(recompile_limit=128):
             return compiled(*args)
     return run
 
