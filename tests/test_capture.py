@@ -163,6 +163,33 @@ def test_plain_h5py_reads_stored_tensors_and_hash(tmp_path):
             assert f.attrs["format_version"] == FORMAT_VERSION
 
 
+def test_row_blocks_decode_what_hdf5_decodes(tmp_path):
+    """diff's own chunk decoding (stored blocks cut apart, zero planes skipped) gives h5py's values for every
+    layout: bf16 in both compressions, an all-zero bf16 tensor (other zero planes), float32, int64 ids, and
+    a last chunk cut at the dataset's edge."""
+    from dsv4debug.h5chunks import _inflate, from_storage
+    g = torch.Generator().manual_seed(5)
+    rows = (T, 50_000)                                  # 200 KB a stored row: chunks of 5 rows, the last of 2
+    tensors = {"bf16": torch.randn(T, 2, 25_000, generator=g).bfloat16(), "zeros": torch.zeros(rows).bfloat16(),
+               "f32": torch.randn(rows, generator=g), "ids": torch.randint(0, 384, (T, 25_000), generator=g)}
+    for compression in ("fast", "small"):
+        path = tmp_path / f"{compression}.h5"
+        with CaptureWriter(path, meta(), "full", compression=compression) as w:
+            for i, (name, t) in enumerate(tensors.items()):
+                w.record("reference", f"layers.{i}.{name}", t, layer=i)
+        with CaptureReader(path) as r:
+            for i, (name, t) in enumerate(tensors.items()):
+                site = f"layers.{i}.{name}"
+                dset = r.dataset("reference", site)
+                assert dset.chunks[0] < t.shape[0] and t.shape[0] % dset.chunks[0], (site, dset.chunks)
+                got = torch.cat([block for _, block in r.row_blocks("reference", site)])
+                assert got.dtype == t.dtype and torch.equal(got, t), (compression, site)
+                assert torch.equal(got, from_storage(dset[()], str(t.dtype).removeprefix("torch.")))
+                _, raw = dset.id.read_direct_chunk((0,) * dset.ndim)
+                zeros, _ = _inflate(raw, math.prod(dset.chunks) * dset.dtype.itemsize)
+                assert (zeros > 0) == (name == "bf16" and compression == "fast"), (compression, site)  # fast path
+
+
 def test_encoded_chunks_decode_with_zlib_and_unshuffle():
     import zlib
     chunk = np.random.default_rng(0).standard_normal((64, 100)).astype(np.float32)
