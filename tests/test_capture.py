@@ -437,3 +437,22 @@ def test_report_with_metrics_experts_and_html(tmp_path):
     assert doc["verdict"]["first_divergence"]["site"] == "layers.1.ffn.experts.3"
     page = html_path.read_text()
     assert "layer 1 expert 3: 250" in page and page.count("<rect") >= 8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn,
+                                   torch.int64, torch.bool])
+def test_device_and_host_statistics_agree(dtype, monkeypatch):
+    """The statistics a GPU capture computes (torch, in the tensor's own dtype, chunk by chunk) equal those of
+    a CPU capture (numpy blocks), NaN/Inf and the first non-finite element's coordinates included."""
+    from dsv4debug import tensorstats as ts
+    monkeypatch.setattr(ts, "DEVICE_CHUNK", 1000)                    # several device chunks
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(7, 613, generator=g) * 3
+    if dtype.is_floating_point and dtype != torch.float8_e4m3fn:
+        x[2, 5], x[4, 100], x[6, 7] = float("nan"), float("inf"), -float("inf")
+    x = (x > 0) if dtype == torch.bool else x.to(dtype)
+    host = ts.combine_blocks([ts.block_stats(b) for b in ts.host_blocks(x)], x.numel(), ts.HOST_BLOCK)
+    device = ts.combine_blocks(list(ts.device_stats(x).numpy()), x.numel(), ts.DEVICE_CHUNK)
+    exact = (0, 1, 2, 3, 6, 8)                                         # counts, min, max, absmax, first bad
+    assert [host[i] for i in exact] == [device[i] for i in exact]
+    assert [device[i] for i in (4, 5, 7)] == pytest.approx([host[i] for i in (4, 5, 7)], rel=1e-12)   # sums
