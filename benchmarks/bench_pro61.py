@@ -157,6 +157,11 @@ def compare_generation(cfg, layer: int, device: str) -> dict:
     return out
 
 
+def named_by(verdict: dict) -> dict:
+    """The site a run's verdict names: the NaN origin, else the first local divergence, else the first one."""
+    return verdict["nan_origin"] or verdict["first_local_divergence"] or verdict["first_divergence"] or {}
+
+
 def each_fault(model, ids: torch.Tensor, a: argparse.Namespace) -> dict:
     """--each: every planted fault in a run and a bisection of its own: what each names, and in how long."""
     out = {}
@@ -164,7 +169,7 @@ def each_fault(model, ids: torch.Tensor, a: argparse.Namespace) -> dict:
         one = argparse.Namespace(**{**vars(a), "planted": [spec]})
         t0 = time.perf_counter()
         v = run(model, ids, one, None, StageClock(a.device), lambda seconds: None).verdict
-        named = v["nan_origin"] or v["first_local_divergence"] or v["first_divergence"] or {}
+        named = named_by(v)
         t1 = time.perf_counter()
         (layers,) = bisect(model, ids, a.candidate, "layers", device=a.device, faults=[parse_fault(spec)])
         t2 = time.perf_counter()
@@ -300,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
                 r = measured(step, dev, res["steps"], lambda c=capture, k=clock: run(model, ids, a, c, k, partial))
                 res.get("unfinished", {}).pop(step, None)
                 v = r.verdict
-                named = v["nan_origin"] or v["first_local_divergence"] or v["first_divergence"] or {}
+                named = named_by(v)
                 res["steps"][step] |= {"status": v["status"], "named_site": named.get("site"),
                                        "named_layer": named.get("layer"), "delegated_ops": r.delegated_ops,
                                        "declined_calls": r.declined_calls, "timings_s": r.timings,

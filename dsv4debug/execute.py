@@ -46,7 +46,6 @@ class WeightSource:
     source has its own, cleared with it."""
 
     def __init__(self, checkpoint, faults: list[Fault] = (), modules: ModuleCache | None = None):
-        self.checkpoint = checkpoint
         self.faults = [f for f in faults if f.on_weights]
         self.modules = modules or ModuleCache(checkpoint)
         self._owns_modules = modules is None

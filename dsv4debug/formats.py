@@ -238,16 +238,14 @@ class QWeight:
         fused: block formats through one torch.compile'd graph (the same values; on a GPU a few kernels
         instead of ~10 passes with an int64 gather, most of a reference layer's GPU time at 4096 tokens)."""
         t = {k: v.to(device) if device is not None else v for k, v in self.tensors.items()}
-        if fused and self.fmt in _DEQUANTIZERS:
-            return _fused_dequantizer(self.fmt, dtype)(*(_compilable(t[k]) for k in _DEQUANTIZERS[self.fmt][1]))
-        if self.fmt in PLAIN_FORMATS:
+        if self.fmt in _DEQUANTIZERS:
+            dequantize, names = _DEQUANTIZERS[self.fmt]
+            stored = [t[k] for k in names]
+            if fused:
+                return _fused_dequantizer(self.fmt, dtype)(*map(_compilable, stored))
+            values = dequantize(*stored)
+        elif self.fmt in PLAIN_FORMATS:
             values = t[""]
-        elif self.fmt == "fp8":
-            values = fp8_block_dequantize(t["weight"], t["scale"])
-        elif self.fmt == "mxfp4":
-            values = mxfp4_dequantize(t["weight"], t["scale"])
-        elif self.fmt == "nvfp4":
-            values = nvfp4_dequantize(t["weight"], t["weight_scale"], t["weight_scale_2"])
         elif self.fmt == "bf16":
             values = t["weight"]
         else:

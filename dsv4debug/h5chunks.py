@@ -177,15 +177,14 @@ def read_rows(dset, start: int, stop: int, dtype: str) -> torch.Tensor:
     plain_filters = dset.compression == "gzip" and dset.shuffle and not (dset.fletcher32 or dset.scaleoffset)
     if not (whole_rows and plain_filters and start % chunks[0] == 0):
         return from_storage(dset[start:stop], dtype)
+    row_elems = math.prod(chunks[1:])
     parts = []
     for origin in range(start, stop, chunks[0]):
         mask, raw = dset.id.read_direct_chunk((origin,) + (0,) * (dset.ndim - 1))
         if mask:                                    # a filter was skipped for this chunk: let HDF5 decode it
             return from_storage(dset[start:stop], dtype)
-        rows = min(chunks[0], stop - origin)
-        n = math.prod(chunks)
-        zeros, data = _inflate(raw, n * dset.dtype.itemsize)
-        parts.append(_unshuffle(zeros, data, dset.dtype, dtype)[:rows * n // chunks[0]])
+        zeros, data = _inflate(raw, chunks[0] * row_elems * dset.dtype.itemsize)
+        parts.append(_unshuffle(zeros, data, dset.dtype, dtype)[:min(chunks[0], stop - origin) * row_elems])
     flat = parts[0] if len(parts) == 1 else torch.cat(parts)
     return flat.view(stop - start, *dset.shape[1:])
 
