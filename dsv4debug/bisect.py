@@ -18,11 +18,11 @@ from .backends.base import FAMILIES, Backend
 from .backends.registry import make_backend
 from .checkpoint import Checkpoint
 from .errors import BadInput
-from .execute import Executor, Side, WeightSource
+from .execute import Executor, Side, WeightSource, check_faults_target_sites
 from .faults import Fault
 from .metrics import MIN_FLOORS
 from .model import State, stages
-from .runner import QUANTIZED_FREE_BAR, candidate_backend, rel_l2
+from .runner import QUANTIZED_FREE_BAR, candidate_backend, rel_l2, site_names
 
 # Tolerance at the logits in multiples of their floor (the reference in bf16 against fp64, accumulated over
 # the whole model). Two independent bf16 implementations differ from each other by about sqrt(2) floors, so
@@ -68,6 +68,7 @@ class Bisector:
         self.reference_name = reference
         self.reference = make_backend(reference, device)
         self.faults = list(faults)
+        check_faults_target_sites(self.faults, site_names(model.config, token_ids.numel()))
         self.on_probe = on_probe
         self.stages = stages(model.config, token_ids.numel(), device, qat)
         # the reference's input to every stage, kept on the host: a probe "reference below stage k" starts

@@ -121,6 +121,8 @@ def test_bisect_ops_names_the_family(tiny, tokens, fault, family):
 def test_unknown_fault_site_is_bad_input(tiny, tokens):
     with pytest.raises(BadInput, match="no site matches"):
         dd.run(tiny, tokens[:16], candidate="reference", inject=["nan@layers.2.attn.nope"])
+    with pytest.raises(BadInput, match="no site matches"):                  # bisect too, before any forward
+        bisect(tiny, tokens[:16], "sim", faults=[parse_fault("nan@layers.9.attn.wkv")])
 
 
 def test_backend_plugs_in_through_the_entry_point(tiny, tokens, tmp_path, monkeypatch):
