@@ -162,25 +162,35 @@ def named_by(verdict: dict) -> dict:
     return verdict["nan_origin"] or verdict["first_local_divergence"] or verdict["first_divergence"] or {}
 
 
+def bisect_summary(r) -> dict:
+    """One bisect axis's outcome, with the margins that decided it (error / tolerance of every probe)."""
+    return {"judged_by": r.judged_by, "culprit": r.culprit_stage, "families": r.culprit_families,
+            "message": r.message, "probes": len(r.probes),
+            "error_over_tolerance": {p.what: p.rel_l2 / p.tolerance for p in r.probes}}
+
+
 def each_fault(model, ids: torch.Tensor, a: argparse.Namespace) -> dict:
-    """--each: every planted fault in a run and a bisection of its own: what each names, and in how long."""
+    """--each: no fault, then every planted fault, in a run and a bisection of its own (--bisect-axis): what
+    each names, and in how long. The fault-free case shows neither calls a clean candidate faulty."""
     out = {}
-    for spec in a.planted:
-        one = argparse.Namespace(**{**vars(a), "planted": [spec]})
+    for spec in [None, *a.planted]:
+        one = argparse.Namespace(**{**vars(a), "planted": [spec] if spec else []})
         t0 = time.perf_counter()
         v = run(model, ids, one, None, StageClock(a.device), lambda seconds: None).verdict
         named = named_by(v)
         t1 = time.perf_counter()
-        (layers,) = bisect(model, ids, a.candidate, "layers", device=a.device, faults=[parse_fault(spec)])
+        axes = bisect(model, ids, a.candidate, a.bisect_axis, device=a.device,
+                      faults=[parse_fault(spec)] if spec else [])
         t2 = time.perf_counter()
-        layer = planted_layer([spec])
-        out[spec] = {"run_status": v["status"], "run_named_site": named.get("site"), "run_s": t1 - t0,
-                     "bisect_culprit": layers.culprit_stage, "bisect_message": layers.message,
-                     "bisect_probes": len(layers.probes), "bisect_s": t2 - t1,
-                     "run_located": named.get("layer") == layer,
-                     "bisect_located": layers.culprit_stage == f"layers.{layer}"}
-        print(f"{spec}: run names {named.get('site')} ({t1 - t0:.0f} s); bisect: {layers.message} "
-              f"({t2 - t1:.0f} s)", flush=True)
+        want = f"layers.{planted_layer([spec])}" if spec else None
+        out[spec or "none"] = {
+            "run_status": v["status"], "run_named_site": named.get("site"), "run_s": t1 - t0,
+            "run_located": named.get("layer") == planted_layer([spec]) if spec else v["status"] == "clean",
+            "bisect_s": t2 - t1, "bisect": {r.axis: bisect_summary(r) for r in axes},
+            "bisect_located": {r.axis: r.culprit_stage == want for r in axes if r.axis != "ops"}}
+        print(f"{spec or 'no fault'}: run {v['status']} at {named.get('site')} ({t1 - t0:.0f} s); bisect "
+              + "; ".join(f"{r.axis} (judged by {r.judged_by}): {r.message}" for r in axes)
+              + f" ({t2 - t1:.0f} s)", flush=True)
     return out
 
 
@@ -198,8 +208,9 @@ def localisation(res: dict) -> dict | None:
     out = {"planted_layer": layer}
     if "run" in steps:
         out["run"] = steps["run"]["named_layer"] == layer
-    if "layers" in steps.get("bisect", {}):
-        out["bisect"] = steps["bisect"]["layers"]["culprit_stage"] == f"layers.{layer}"
+    for axis in ("layers", "stages"):
+        if axis in steps.get("bisect", {}):
+            out[f"bisect {axis}"] = steps["bisect"][axis]["culprit_stage"] == f"layers.{layer}"
     return out
 
 
@@ -225,7 +236,7 @@ def report(res: dict) -> None:
     if "run" in steps:
         print(f"run: {steps['run']['status']} at {steps['run']['named_site']}; ops without a kernel (run by the "
               f"reference): {', '.join(steps['run']['delegated_ops'] + steps['run']['declined_calls']) or 'none'}")
-    for axis in ("layers", "ops"):
+    for axis in ("layers", "ops", "stages"):
         if axis in steps.get("bisect", {}):
             print(f"bisect {axis}: {steps['bisect'][axis]['message']}")
     res["localised"] = localisation(res)
@@ -250,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "61-layer run split over device calls")
     ap.add_argument("--each", action="store_true",
                     help="run and bisect each --planted fault on its own (instead of the steps with all of them)")
-    ap.add_argument("--bisect-axis", default="layers", help="layers (default) | ops | both")
+    ap.add_argument("--bisect-axis", default="layers", help="layers (default) | ops | both | stages | all")
     ap.add_argument("--steps", default="generate,forward,run,capture,bisect", help="which steps to run")
     ap.add_argument("--eager-weights", action="store_true",
                     help="generate weights eagerly (default on a GPU: torch.compile'd, the same values)")
@@ -324,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
 def located(res: dict) -> bool:
     """Whether run and bisect named the layer of every planted fault."""
     if "each" in res:
-        return all(r["run_located"] and r["bisect_located"] for r in res["each"].values())
+        return all(r["run_located"] and all(r["bisect_located"].values()) for r in res["each"].values())
     return res["localised"] is None or all(v for k, v in res["localised"].items() if k != "planted_layer")
 
 

@@ -4,9 +4,14 @@
 candidate; binary search for the last k that still diverges: that stage holds the fault.
 --axis ops: op families moved one at a time to the reference; a family stays on the candidate only if the
 divergence disappears without it, leaving a minimal set of candidate families that reproduces it.
+--axis stages: not a search but a sweep, each stage alone on the candidate from the reference's input to it;
+it finds faults too small to move the logits beyond the whole model's noise, at one pass of each side.
+"The reference" here is the judge: by default a quantising candidate's simulator (`judge_for`), which rounds
+as the candidate does, so that what separates them is accumulation noise, not quantisation noise.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -15,17 +20,17 @@ from typing import Any
 import torch
 
 from .backends.base import FAMILIES, Backend
-from .backends.registry import make_backend
+from .backends.registry import backend_class, make_backend
 from .checkpoint import Checkpoint
 from .errors import BadInput
-from .execute import Executor, Side, WeightSource, check_faults_target_sites
+from .execute import Executor, ModuleCache, Side, WeightSource, check_faults_target_sites
 from .faults import Fault
 from .metrics import MIN_FLOORS
 from .model import State, stages
 from .runner import QUANTIZED_FREE_BAR, candidate_backend, rel_l2, site_names
 
-# Tolerance at the logits in multiples of their floor (the reference in bf16 against fp64, accumulated over
-# the whole model). Two independent bf16 implementations differ from each other by about sqrt(2) floors, so
+# Tolerance at the logits in multiples of their floor (the judge in bf16 against itself in fp64, accumulated
+# over the whole model). Two independent bf16 implementations differ from each other by about sqrt(2) floors, so
 # 2 floors is the least that does not call a clean bf16 candidate divergent; the runner's per-site budget (8)
 # would hide most single-op faults here, since the accumulated floor is far larger than a local one.
 BISECT_BUDGET = 2.0
@@ -48,53 +53,90 @@ class Probe:
 @dataclass
 class BisectResult:
     axis: str
+    judged_by: str                   # the backend the candidate's logits are compared with
     probes: list[Probe] = field(default_factory=list)
     culprit_stage: str | None = None
     culprit_families: list[str] | None = None
     message: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"axis": self.axis, "culprit_stage": self.culprit_stage, "culprit_families": self.culprit_families,
+        return {"axis": self.axis, "judged_by": self.judged_by, "culprit_stage": self.culprit_stage, "culprit_families": self.culprit_families,
                 "message": self.message, "probes": [dict(p.__dict__, diverged=p.diverged) for p in self.probes]}
 
 
+def judge_for(candidate: str) -> str:
+    """The backend a candidate is judged against by default: its simulator when it quantises and declares
+    one (the same rounding in PyTorch: what is left is accumulation noise, far below the quantisation noise
+    that would otherwise hide a wrong expert or a stale cache), else the bf16 reference."""
+    cls = backend_class(candidate)
+    return cls.simulator if cls.numerics == "quantized" and cls.simulator else "reference"
+
+
 class Bisector:
-    def __init__(self, model: Checkpoint, token_ids: torch.Tensor, candidate: str, reference: str = "reference",
+    def __init__(self, model: Checkpoint, token_ids: torch.Tensor, candidate: str, reference: str | None = None,
                  device: str = "cpu", qat: bool = True, faults: list[Fault] = (), budget: float = BISECT_BUDGET,
                  on_probe: Callable[[Probe], None] | None = None):
         self.model, self.ids, self.device, self.qat = model, token_ids.to(device), device, qat
+        reference = reference or judge_for(candidate)
         self.candidate_name = candidate
         self.candidate = candidate_backend(candidate, reference, device)
         self.reference_name = reference
         self.reference = make_backend(reference, device)
+        self.same_rounding = candidate == reference        # the judge as candidate (planted faults)
         self.faults = list(faults)
         check_faults_target_sites(self.faults, site_names(model.config, token_ids.numel()))
-        self.on_probe = on_probe
+        self.budget, self.on_probe = budget, on_probe
         self.stages = stages(model.config, token_ids.numel(), device, qat)
-        # the reference's input to every stage, kept on the host: a probe "reference below stage k" starts
-        # from the k-th and runs only the candidate's stages (one weight read per stage, not two)
-        self.ref_inputs: list[State] = []
-        ref_logits = self._forward(self.reference, 0, [], keep_inputs=True)
-        self.floor = MIN_FLOORS["rel_l2"]
-        if candidate != reference:          # the reference as candidate (planted faults) rounds identically
-            hi_logits = self._forward(make_backend(reference, device, torch.float64), 0, [])
-            self.floor = max(rel_l2(hi_logits, ref_logits.to(hi_logits.dtype)), self.floor)
-        bar = QUANTIZED_FREE_BAR if self.candidate.numerics == "quantized" else 0.0
-        self.ref_logits = ref_logits
-        self.tolerance = max(budget * self.floor, bar)
+        # the judge's input to every stage and its final output, kept on the host: a probe "judge below stage
+        # k" starts from the k-th and runs only the candidate's stages (one weight read per stage, not two)
+        self.ref_states: list[State] = []
+        self.ref_logits = self._forward(self.reference, 0, [], keep_states=True)
+        # a quantising candidate judged by a bf16 reference is allowed its quantisation noise
+        self.unmatched_quantization = self.candidate.numerics == "quantized" and self.reference.numerics != "quantized"
+        self.bar = QUANTIZED_FREE_BAR if self.unmatched_quantization else 0.0
+        self._floor: float | None = None
 
-    def _forward(self, backend: Backend, start: int, faults: list[Fault], keep_inputs: bool = False
+    @property
+    def floor(self) -> float:
+        """The logits' floor: the judge in bf16 against itself in fp64 (measured on first use)."""
+        if self._floor is None:
+            self._floor = MIN_FLOORS["rel_l2"]
+            if not self.same_rounding:
+                hi = self._forward(self.hi, 0, [])
+                self._floor = max(rel_l2(hi, self.ref_logits.to(hi.dtype)), self._floor)
+        return self._floor
+
+    @property
+    def tolerance(self) -> float:
+        return max(self.budget * self.floor, self.bar)
+
+    @functools.cached_property
+    def hi(self) -> Backend:
+        """The judge in fp64: the floors' other side."""
+        return make_backend(self.reference_name, self.device, torch.float64)
+
+    def _run_stage(self, ex: Executor, k: int, state: State) -> State:
+        state = self.stages[k].run(ex, state)
+        ex.end_stage()
+        return state
+
+    def _forward(self, backend: Backend, start: int, faults: list[Fault], keep_states: bool = False
                  ) -> torch.Tensor:
-        """Stages start.. on `backend`, from the reference's input to stage `start`."""
+        """Stages start.. on `backend`, from the judge's input to stage `start`."""
         side = Side(backend.name, backend, WeightSource(self.model, faults), faults)
-        state = _to(self.ref_inputs[start], self.device) if start else State(self.ids)
-        for stage in self.stages[start:]:
-            if keep_inputs:
-                self.ref_inputs.append(_to(state, "cpu"))
-            ex = Executor(side)
-            state = stage.run(ex, state)
-            ex.end_stage()
+        state = _to(self.ref_states[start], self.device) if start else State(self.ids)
+        for k in range(start, len(self.stages)):
+            if keep_states:
+                self.ref_states.append(_to(state, "cpu"))
+            state = self._run_stage(Executor(side), k, state)
+        if keep_states:
+            self.ref_states.append(_to(state, "cpu"))
         return state.h
+
+    def _report(self, probe: Probe) -> Probe:
+        if self.on_probe:
+            self.on_probe(probe)
+        return probe
 
     def _probe(self, what: str, below: int, ref_families: tuple[str, ...]) -> Probe:
         cand = self.candidate
@@ -103,22 +145,37 @@ class Bisector:
         logits = self._forward(cand, below, self.faults)
         nan = bool(torch.isnan(logits).any())
         err = rel_l2(self.ref_logits, logits) if not nan else math.inf
-        probe = Probe(what, [s.name for i, s in enumerate(self.stages) if i >= below],
-                      [f for f in FAMILIES if f not in ref_families], err, self.tolerance, nan)
-        if self.on_probe:
-            self.on_probe(probe)
-        return probe
+        return self._report(Probe(what, [s.name for i, s in enumerate(self.stages) if i >= below],
+                                  [f for f in FAMILIES if f not in ref_families], err, self.tolerance, nan))
+
+    def _stage_probe(self, k: int, modules: ModuleCache) -> Probe:
+        """Stage k alone on the candidate, from the judge's input to it, against the judge's output; its
+        floor is the judge's own stage in fp64 from the same input (one read of the weights for both)."""
+        inp, want = _to(self.ref_states[k], self.device), self.ref_states[k + 1].h.to(self.device)
+        cand = Side(self.candidate.name, self.candidate, WeightSource(self.model, self.faults, modules), self.faults)
+        got = self._run_stage(Executor(cand), k, inp).h
+        floor = MIN_FLOORS["rel_l2"]
+        if not self.same_rounding:
+            hi = Side("fp64", self.hi, WeightSource(self.model, [], modules))
+            wide = self._run_stage(Executor(hi), k, _to(inp, self.device, torch.float64)).h
+            floor = max(rel_l2(wide, want.to(wide.dtype)), floor)
+        modules.clear()
+        nan = bool(torch.isnan(got).any())
+        err = rel_l2(want, got) if not nan else math.inf
+        return self._report(Probe(f"{self.stages[k].name} on {self.reference_name}'s input", [self.stages[k].name],
+                                  list(FAMILIES), err, max(self.budget * floor, self.bar), nan))
 
     def _clean_message(self, probe: Probe) -> str:
         msg = (f"the candidate does not diverge at the logits (rel L2 {probe.rel_l2:.3g} <= {probe.tolerance:.3g}): "
-               "nothing to bisect")
-        if self.candidate.numerics == "quantized":
-            msg += ("; a quantising candidate is allowed its quantisation noise there, which hides faults smaller "
-                    "than it: `dsv4debug run` compares every op on the reference's inputs and finds those")
+               "nothing to bisect; `--axis stages` judges each stage alone, against one stage's noise")
+        if self.unmatched_quantization:
+            msg += (f"; judged by {self.reference_name}, a quantising candidate is allowed its quantisation noise "
+                    "there, which hides faults smaller than it: judge it by a simulator of its quantisation "
+                    "(--reference), or `dsv4debug run`, which compares every op on the reference's inputs")
         return msg
 
     def layers(self) -> BisectResult:
-        res = BisectResult("layers")
+        res = BisectResult("layers", self.reference_name)
         first = self._probe("candidate everywhere", 0, ())
         res.probes.append(first)
         if not first.diverged:
@@ -127,16 +184,16 @@ class Bisector:
         lo, hi = 0, len(self.stages)           # diverges with stages >= lo on the candidate; clean at hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            p = self._probe(f"reference below {self.stages[mid].name}", mid, ())
+            p = self._probe(f"{self.reference_name} below {self.stages[mid].name}", mid, ())
             res.probes.append(p)
             lo, hi = (mid, hi) if p.diverged else (lo, mid)
         res.culprit_stage = self.stages[lo].name
-        res.message = (f"divergence enters at {res.culprit_stage}: with the reference up to it the candidate "
-                       f"diverges, with the reference through it the candidate is clean")
+        res.message = (f"divergence enters at {res.culprit_stage}: with {self.reference_name} up to it the "
+                       f"candidate diverges, with {self.reference_name} through it the candidate is clean")
         return res
 
     def ops(self) -> BisectResult:
-        res = BisectResult("ops")
+        res = BisectResult("ops", self.reference_name)
         on_ref: tuple[str, ...] = ()
         first = self._probe("candidate everywhere", 0, on_ref)
         res.probes.append(first)
@@ -145,7 +202,7 @@ class Bisector:
             return res
         for fam in FAMILIES:
             trial = on_ref + (fam,)
-            p = self._probe(f"reference for {', '.join(trial)}", 0, trial)
+            p = self._probe(f"{self.reference_name} for {', '.join(trial)}", 0, trial)
             res.probes.append(p)
             if p.diverged:
                 on_ref = trial            # still diverges without this family: not needed to reproduce
@@ -154,19 +211,45 @@ class Bisector:
             res.message = ("minimal candidate op families reproducing the divergence: "
                            + ", ".join(res.culprit_families))
         else:
-            res.message = ("the divergence persists with every op family on the reference: the candidate "
+            res.message = (f"the divergence persists with every op family on {self.reference_name}: the candidate "
                            "reads different weights (packing, scales) - see weight faults / checkpoint verify")
         return res
 
+    def stage_sweep(self) -> BisectResult:
+        """Each stage alone on the candidate, on the judge's input: no error carried in from earlier stages,
+        so a fault has only to stand out from one stage's rounding noise, not from the whole model's at the
+        logits. One candidate pass and one fp64 pass of the judge, stage by stage."""
+        res = BisectResult("stages", self.reference_name)
+        modules = ModuleCache(self.model)
+        res.probes = [self._stage_probe(k, modules) for k in range(len(self.stages))]
+        bad = [p.candidate_stages[0] for p in res.probes if p.diverged]
+        if bad:
+            res.culprit_stage = bad[0]
+            res.message = (f"divergence enters at {bad[0]}: on {self.reference_name}'s input its output differs "
+                           f"beyond {self.budget:g} floors" + (f" (also: {', '.join(bad[1:])})" if bad[1:] else ""))
+        else:
+            worst = max(res.probes, key=lambda p: p.rel_l2 / p.tolerance)
+            res.message = (f"every stage on {self.reference_name}'s input is within {self.budget:g} floors of it "
+                           f"(closest: {worst.candidate_stages[0]}, rel L2 {worst.rel_l2:.3g} <= {worst.tolerance:.3g})")
+        return res
 
-def _to(state: State, device: torch.device | str) -> State:
-    moved = {f.name: getattr(state, f.name) for f in fields(state)}
-    return State(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+def _to(state: State, device: torch.device | str, dtype: torch.dtype | None = None) -> State:
+    """The state on `device`; its floating streams in `dtype` if given (token ids stay int64)."""
+    def move(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        return v.to(device, dtype) if dtype is not None and v.is_floating_point() else v.to(device)
+    return State(**{f.name: move(getattr(state, f.name)) for f in fields(state)})
 
 
 def bisect(model: Checkpoint, token_ids: torch.Tensor, candidate: str, axis: str = "layers",
            **kw: Any) -> list[BisectResult]:
-    if axis not in ("layers", "ops", "both"):
-        raise BadInput(f"--axis {axis!r}: choose layers, ops or both")
+    """Each axis of `axis` (comma-separated; "both" is layers,ops and "all" adds stages) over one Bisector."""
+    aliases = {"both": ("layers", "ops"), "all": ("layers", "ops", "stages")}
+    names = list(dict.fromkeys(n for part in axis.split(",") for n in aliases.get(part, (part,))))
+    if bad := [n for n in names if n not in ("layers", "ops", "stages")]:
+        raise BadInput(f"--axis {bad[0]!r}: choose layers, ops, stages (comma-separated), both or all")
     b = Bisector(model, token_ids, candidate, **kw)
-    return ([b.layers()] if axis in ("layers", "both") else []) + ([b.ops()] if axis in ("ops", "both") else [])
+    run = {"layers": b.layers, "ops": b.ops, "stages": b.stage_sweep}
+    return [run[n]() for n in names]

@@ -11,6 +11,7 @@ import torch
 
 import dsv4debug.api as dd
 from dsv4debug.backends import registry
+from dsv4debug.backends.sim import SimW4A16Backend
 from dsv4debug.bisect import bisect
 from dsv4debug.errors import BadInput
 from dsv4debug.faults import parse_fault
@@ -286,7 +287,8 @@ def test_bisect_floor_is_the_fp64_against_bf16_logits(tiny, tokens):
     ids = tokens[:64]
     lo = dd.reference(tiny, ids).logits
     hi = dd.reference(tiny, ids, dtype="fp64").logits
-    assert Bisector(tiny, ids, "sim").floor == pytest.approx(rel_l2(hi, lo.double()), rel=1e-6)
+    assert Bisector(tiny, ids, "sim", reference="reference").floor == pytest.approx(rel_l2(hi, lo.double()),
+                                                                                  rel=1e-6)
     assert rel_l2(hi, lo.double()) > 4 * MIN_FLOORS["rel_l2"]
     assert Bisector(tiny, ids, "reference").floor == MIN_FLOORS["rel_l2"]
 
@@ -302,3 +304,43 @@ def test_bisect_probe_runs_only_the_candidate_stages(tiny, tokens):
     assert not [n for n in model.reads if n.startswith(("embed", "layers.0.", "layers.1."))]
     assert all(model.reads.get(f"layers.{i}.attn_norm.weight") == 1 for i in range(2, 6))
     assert probe.diverged and b._probe("reference through layers.3", 5, ()).rel_l2 == 0.0
+
+
+class _JitteredSim(SimW4A16Backend):
+    """Rounds as sim-w4a16 does, but its GEMMs land up to one bf16 ulp away (another accumulation order):
+    a stand-in for a correct quantising kernel."""
+    name = "jittered-sim"
+    simulator = "sim-w4a16"
+
+    @staticmethod
+    def _jitter(y):
+        g = torch.Generator().manual_seed(y.numel())
+        ulp = torch.randint(-1, 2, y.shape, generator=g).to(y.device, torch.float32) * 2.0 ** -8
+        return (y.float() * (1 + ulp)).to(y.dtype)
+
+    def linear(self, x, w):
+        return self._jitter(super().linear(x, w))
+
+    def expert(self, x, w1, w3, w2, route_w, *, limit):
+        return self._jitter(super().expert(x, w1, w3, w2, route_w, limit=limit))
+
+
+def test_bisect_judges_a_quantising_candidate_by_its_simulator():
+    from dsv4debug.backends.registry import backend_class
+    from dsv4debug.bisect import judge_for
+    assert backend_class("kernels").simulator == "sim-w4a16"
+    assert [judge_for(b) for b in ("kernels", "sim", "reference")] == ["sim-w4a16", "sim", "reference"]
+
+
+@pytest.mark.parametrize("fault,site,family", ISSUE9_FAULTS)
+def test_stage_sweep_against_the_simulator_finds_faults_below_quantisation_noise(tiny, tokens, fault, site, family):
+    """Each stage on the judge's input, judged by the candidate's simulator: only one stage's accumulation
+    noise is allowed, which the fault-free candidate stays within and every planted fault exceeds (at the
+    logits most of them stay inside the bf16 reference's 0.25 bar for a quantising candidate)."""
+    registry.register("jittered-sim", _JitteredSim)
+    ids = tokens[:96]
+    (clean,) = bisect(tiny, ids, "jittered-sim", "stages")
+    assert clean.judged_by == "sim-w4a16" and clean.culprit_stage is None, clean.message
+    (res,) = bisect(tiny, ids, "jittered-sim", "stages", faults=[parse_fault(fault)])
+    assert res.culprit_stage == site.rsplit(".", site.count(".") - 1)[0], res.message
+    assert [p.candidate_stages[0] for p in res.probes if p.diverged] == [res.culprit_stage]

@@ -52,10 +52,14 @@ class Backend:
     of ReferenceBackend that overrides a few ops declares those, and the runner runs the rest with the
     reference op and names them in its report (`delegated_ops`), never silently. `unsupported()` declines
     single calls an implemented op has no kernel for (e.g. a weight format); those are named as well.
+    `simulator` names the backend that rounds as this one does, in PyTorch (a quantising backend's own
+    quantisation, no more): bisect judges the candidate against it, so a fault smaller than the quantisation
+    noise still stands out at the logits.
     """
     name = "base"
     numerics = "bf16"
     implements: tuple[str, ...] | None = None
+    simulator: str | None = None
 
     def __init__(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
         self.device = torch.device(device)

@@ -65,6 +65,7 @@ def _load_gemm_kernels():
 class KernelsBackend(Backend):
     name = "kernels"
     numerics = "quantized"
+    simulator = "sim-w4a16"         # FP8 activations into FP8 GEMMs, bf16 into the W4A16 experts, FP8 KV cache
     implements = tuple(KERNEL_MODULES)
     kv_block_size = 64
 

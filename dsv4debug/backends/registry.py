@@ -16,6 +16,7 @@ from .base import Backend
 BUILTIN = {
     "reference": "dsv4debug.backends.reference:ReferenceBackend",
     "sim": "dsv4debug.backends.sim:SimBackend",
+    "sim-w4a16": "dsv4debug.backends.sim:SimW4A16Backend",
     "kernels": "dsv4debug.backends.kernels:KernelsBackend",
 }
 _registered: dict[str, type[Backend]] = {}

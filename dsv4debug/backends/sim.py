@@ -5,6 +5,7 @@ It shows how much divergence quantisation alone explains, on any machine:
 - NVFP4 activations (e2m1, e4m3 scale per 16 under an fp32 global scale) before routed-expert GEMMs, as a
   W4A4 Blackwell MoE does;
 - the FP8 KV cache (448 nope dims e4m3 with power-of-two scales per 64, rope dims bf16), always on.
+`sim-w4a16` is the same with bf16 activations into FP4 experts, as the Hopper kernels (W4A16) run them.
 """
 from __future__ import annotations
 
@@ -35,14 +36,25 @@ def nvfp4_act_quant(x: torch.Tensor, block: int = 16) -> torch.Tensor:
 class SimBackend(ReferenceBackend):
     name = "sim"
     numerics = "quantized"
+    simulator = "sim"
+    fp4_expert_act_quant = True
 
     def linear(self, x, w):
         return super().linear(fp8_act_quant(x) if w.fmt in QUANTIZED_WEIGHTS else x, w)
 
     def expert(self, x, w1, w3, w2, route_w, *, limit):
-        quant = nvfp4_act_quant if w1.fmt in ("mxfp4", "nvfp4") else fp8_act_quant
+        if w1.fmt in ("mxfp4", "nvfp4"):
+            quant = nvfp4_act_quant if self.fp4_expert_act_quant else None
+        else:
+            quant = fp8_act_quant
         dt = x.dtype
         return ref.expert(x, *(self.dense(w, dt) for w in (w1, w3, w2)), limit, route_w, quant)
 
     def kv_cache(self, kv, *, rope_dim, qat):
         return ref.kv_qat(kv, rope_dim, enabled=True)       # the serving cache is FP8 whatever the QAT switch
+
+
+class SimW4A16Backend(SimBackend):
+    name = "sim-w4a16"
+    simulator = "sim-w4a16"
+    fp4_expert_act_quant = False

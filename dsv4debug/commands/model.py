@@ -216,15 +216,20 @@ def bisect(checkpoint: Path | None = CheckpointArg,
            tokens: str | None = typer.Option(None, help="Comma-separated token ids."),
            seq_len: int | None = typer.Option(None, help="Pseudo-random token ids of this length (default 256)."),
            candidate: str = typer.Option("sim", help="Candidate backend."),
-           reference: str = typer.Option("reference", help="Reference backend."),
-           axis: str = typer.Option("layers", help="layers | ops | both."),
+           reference: str | None = typer.Option(
+               None, help="Backend the candidate is judged by (default: a quantising candidate's simulator, "
+                          "e.g. sim-w4a16 for kernels, which rounds as it does; else reference)."),
+           axis: str = typer.Option("layers", help="layers (binary search on the logits) | ops (knockout of op "
+                                                     "families) | both | stages (each stage on the judge's input: "
+                                                     "finds faults below the logits' noise) | all."),
            device: str = typer.Option("cpu", help="cpu | cuda."),
            inject: list[str] = typer.Option([], help="Plant a fault KIND@SITE[:ARG] in the candidate."),
            qat: bool = typer.Option(True, help="QAT simulations in model.py."),
            budget: float | None = typer.Option(None, help="Tolerance in multiples of the logits' noise floor (default 2)."),
            json_out: bool = typer.Option(False, "--json", help="Print the whole search as JSON."),
            ) -> None:
-    """Binary search over layers, or knockout over op families, judged on the final logits."""
+    """Binary search over layers or knockout over op families, judged on the final logits; or a sweep of the
+    stages, each on the judge's input."""
     from ..bisect import bisect as run_bisect
     from ..faults import parse_fault
     model = api.open_model(checkpoint)
@@ -234,7 +239,7 @@ def bisect(checkpoint: Path | None = CheckpointArg,
     def show(p) -> None:
         if not json_out:
             mark = "[red]diverges[/]" if p.diverged else "[green]clean[/]"
-            out.print(f"probe: {p.what:<45} rel_l2 {_fmt(p.rel_l2)} (tol {_fmt(p.tolerance)}) {mark}",
+            out.print(f"probe: {p.what:<40} rel_l2 {_fmt(p.rel_l2)} (tol {_fmt(p.tolerance)}) {mark}",
                       highlight=False)
 
     kw = {"budget": budget} if budget is not None else {}
