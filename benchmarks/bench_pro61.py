@@ -176,19 +176,22 @@ def each_fault(model, ids: torch.Tensor, a: argparse.Namespace) -> dict:
     for spec in [None, *a.planted]:
         one = argparse.Namespace(**{**vars(a), "planted": [spec] if spec else []})
         t0 = time.perf_counter()
-        v = run(model, ids, one, None, StageClock(a.device), lambda seconds: None).verdict
-        named = named_by(v)
+        entry = {}
+        if not a.each_bisect_only:
+            v = run(model, ids, one, None, StageClock(a.device), lambda seconds: None).verdict
+            named = named_by(v)
+            entry = {"run_status": v["status"], "run_named_site": named.get("site"),
+                     "run_located": named.get("layer") == planted_layer([spec]) if spec else v["status"] == "clean"}
         t1 = time.perf_counter()
         axes = bisect(model, ids, a.candidate, a.bisect_axis, device=a.device,
                       faults=[parse_fault(spec)] if spec else [])
         t2 = time.perf_counter()
         want = f"layers.{planted_layer([spec])}" if spec else None
-        out[spec or "none"] = {
-            "run_status": v["status"], "run_named_site": named.get("site"), "run_s": t1 - t0,
-            "run_located": named.get("layer") == planted_layer([spec]) if spec else v["status"] == "clean",
-            "bisect_s": t2 - t1, "bisect": {r.axis: bisect_summary(r) for r in axes},
+        out[spec or "none"] = entry | {
+            "run_s": t1 - t0, "bisect_s": t2 - t1, "bisect": {r.axis: bisect_summary(r) for r in axes},
             "bisect_located": {r.axis: r.culprit_stage == want for r in axes if r.axis != "ops"}}
-        print(f"{spec or 'no fault'}: run {v['status']} at {named.get('site')} ({t1 - t0:.0f} s); bisect "
+        ran = f"run {entry['run_status']} at {entry['run_named_site']} ({t1 - t0:.0f} s); " if entry else ""
+        print(f"{spec or 'no fault'}: {ran}bisect "
               + "; ".join(f"{r.axis} (judged by {r.judged_by}): {r.message}" for r in axes)
               + f" ({t2 - t1:.0f} s)", flush=True)
     return out
@@ -261,6 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "61-layer run split over device calls")
     ap.add_argument("--each", action="store_true",
                     help="run and bisect each --planted fault on its own (instead of the steps with all of them)")
+    ap.add_argument("--each-bisect-only", action="store_true", help="--each without the runs")
     ap.add_argument("--bisect-axis", default="layers", help="layers (default) | ops | both | stages | all")
     ap.add_argument("--steps", default="generate,forward,run,capture,bisect", help="which steps to run")
     ap.add_argument("--eager-weights", action="store_true",
@@ -335,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
 def located(res: dict) -> bool:
     """Whether run and bisect named the layer of every planted fault."""
     if "each" in res:
-        return all(r["run_located"] and all(r["bisect_located"].values()) for r in res["each"].values())
+        return all(r.get("run_located", True) and all(r["bisect_located"].values()) for r in res["each"].values())
     return res["localised"] is None or all(v for k, v in res["localised"].items() if k != "planted_layer")
 
 

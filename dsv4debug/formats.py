@@ -22,14 +22,35 @@ E8M0 = torch.float8_e8m0fnu
 FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK = 128, 32, 16
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
 
+_CONSTANTS: list[torch.Tensor] = []                       # lookup tables, registered by constant_table
+_CONSTANTS_ON: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def constant_table(table: torch.Tensor) -> torch.Tensor:
+    """Register a module-level lookup table for `on_device` (and for exact_compile's priming)."""
+    _CONSTANTS.append(table)
+    return table
+
+
+def on_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A registered table on `device`, copied there once: a copy per call is a synchronous host-to-device
+    transfer, which a CUDA graph cannot capture. Primed outside torch.compile (exact_compile), a compiled
+    graph reads the device copy as a constant instead of copying the host table on every call."""
+    key = (id(table), str(device))
+    if key not in _CONSTANTS_ON:
+        _CONSTANTS_ON[key] = table.to(device)
+    return _CONSTANTS_ON[key]
+
+
 # code -> value; bit 3 is the sign
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E2M1_TABLE = torch.tensor(E2M1_VALUES, dtype=torch.float32)
 # byte -> (value of low nibble, value of high nibble): one gather decodes two elements
-_PAIR_TABLE = torch.stack([E2M1_TABLE.repeat(16), E2M1_TABLE.repeat_interleave(16)], dim=-1)   # [256, 2]
+_PAIR_TABLE = constant_table(                                          # [256, 2]
+    torch.stack([E2M1_TABLE.repeat(16), E2M1_TABLE.repeat_interleave(16)], dim=-1))
 # midpoints between neighbouring E2M1 magnitudes; a tie rounds to the even code, which is the upper
 # neighbour at 0.75, 1.75 and 3.5 and the lower one at the others
-_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_MIDPOINTS = constant_table(torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]))
 
 PLAIN_FORMATS = ("bf16_plain", "f32", "i64")
 
@@ -69,7 +90,8 @@ def pow2_exponent(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """Round float32 values (already divided by their scale) to E2M1 codes, ties to even; saturates at 6."""
     a = x.abs()
-    code = torch.bucketize(a, _E2M1_MIDPOINTS.to(x.device), out_int32=True).to(torch.uint8)  # #midpoints < a
+    # the number of midpoints below a
+    code = torch.bucketize(a, on_device(_E2M1_MIDPOINTS, x.device), out_int32=True).to(torch.uint8)
     code += (a == 0.75) | (a == 1.75) | (a == 3.5)
     return code | ((x < 0).to(torch.uint8) << 3)
 
@@ -87,8 +109,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
     """[..., n] packed bytes -> [..., 2n] float32 values."""
-    table = _PAIR_TABLE.to(packed.device)
-    return table[packed.view(torch.uint8).long()].flatten(-2)
+    return on_device(_PAIR_TABLE, packed.device)[packed.view(torch.uint8).long()].flatten(-2)
 
 
 # ---- FP8 128x128 blocks --------------------------------------------------------------------------------
@@ -259,10 +280,14 @@ def exact_compile(fn: Callable) -> Callable:
     """torch.compile(fn) (dynamic shapes, one graph) that rounds as eager does: precision casts emulated, which
     also keeps Triton from contracting a multiply and an add into an FMA. The recompile limit is raised: callers
     compile partials of one function (one code object, one cache of graphs) for every format and dtype, and
-    fullgraph=True turns a hit limit into an error."""
+    fullgraph=True turns a hit limit into an error. The lookup tables are put on the arguments' devices first,
+    so that the graph reads them there (as constants) instead of copying them from the host each call."""
     compiled = torch.compile(fn, dynamic=True, fullgraph=True)
 
     def run(*args):
+        for device in {a.device for a in args if isinstance(a, torch.Tensor)}:
+            for table in _CONSTANTS:
+                on_device(table, device)
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
         with inductor_config.patch(emulate_precision_casts=True), dynamo_config.patch(recompile_limit=128):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from dsv4debug.formats import constant_table, on_device
 
 BLOCK_ROWS = 64           # rows per warpgroup block
 CTA_ROWS = 128            # rows per CTA (two consumer warpgroups)
@@ -127,7 +128,7 @@ def _spread_table() -> torch.Tensor:
     return t
 
 
-_SPREAD = _spread_table()
+_SPREAD = constant_table(_spread_table())
 
 
 def _words(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -136,7 +137,7 @@ def _words(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
     c9 = codes.view(n // 64, 4, 2, 8, k // 64, 4, 2, 4, 2)              # rb w h g c j s q e
     lanes = c9.permute(0, 4, 1, 3, 7, 5, 6, 2, 8).to(torch.int64)        # rb c w g q j s h e
     slot = torch.arange(8, device=codes.device).view(2, 2, 2) * 16       # (s, h, e) -> row of the table
-    words = _SPREAD.to(codes.device).view(-1)[lanes + slot].sum(dim=(-3, -2, -1))
+    words = on_device(_SPREAD, codes.device).view(-1)[lanes + slot].sum(dim=(-3, -2, -1))
     return _as_u32(words)
 
 

@@ -344,3 +344,33 @@ def test_stage_sweep_against_the_simulator_finds_faults_below_quantisation_noise
     (res,) = bisect(tiny, ids, "jittered-sim", "stages", faults=[parse_fault(fault)])
     assert res.culprit_stage == site.rsplit(".", site.count(".") - 1)[0], res.message
     assert [p.candidate_stages[0] for p in res.probes if p.diverged] == [res.culprit_stage]
+
+
+@pytest.mark.parametrize("in_floors,culprit", [
+    ([0.68, 0.69, 1.07, 0.68], "layers.2"),    # under 2 floors, but 1.57x the layers' median (Pro on the H200)
+    ([0.68, 0.69, 0.70, 0.68], None),          # a correct candidate: every layer alike
+    ([0.30, 0.31, 0.45, 0.30], None),          # out of line, but under half a floor: noise
+    ([0.68, 2.10, 0.70, 0.68], "layers.1"),    # over 2 floors
+])
+def test_stage_sweep_flags_a_layer_out_of_line_with_the_others(tiny, tokens, monkeypatch, in_floors, culprit):
+    from dsv4debug.bisect import Bisector, Probe
+    b = Bisector(tiny, tokens[:16], "reference", reference="reference")
+    names = ["embed"] + [f"layers.{i}" for i in range(len(in_floors))] + ["head"]
+    ratios = dict(zip(names, [0.0, *in_floors, 0.0]))
+    b.stages = [type(s)(n, s.layer, s.run) for n, s in zip(names, b.stages)]
+    monkeypatch.setattr(b, "_stage_probe", lambda k, modules: Probe(
+        names[k], [names[k]], [], ratios[names[k]] * 0.01, 2 * 0.01, False, 0.01))
+    (res,) = [b.stage_sweep()]
+    assert res.culprit_stage == culprit, res.message
+    assert [p.candidate_stages[0] for p in res.probes if p.diverged] == ([culprit] if culprit else [])
+
+
+def test_stage_sweep_needs_three_layers_for_the_median(tiny, tokens, monkeypatch):
+    from dsv4debug.bisect import Bisector, Probe
+    b = Bisector(tiny, tokens[:16], "reference", reference="reference")
+    names = ["embed", "layers.0", "layers.1", "head"]
+    b.stages = b.stages[:4]
+    ratios = {"embed": 0.0, "layers.0": 0.68, "layers.1": 1.5, "head": 0.0}
+    monkeypatch.setattr(b, "_stage_probe", lambda k, modules: Probe(
+        names[k], [names[k]], [], ratios[names[k]] * 0.01, 2 * 0.01, False, 0.01))
+    assert b.stage_sweep().culprit_stage is None          # two layers: only the 2-floor rule
