@@ -14,6 +14,7 @@ from rich.table import Table
 
 from .. import api
 from ..backends.base import FAMILIES, OPS
+from ..bisect import BISECT_BUDGET
 from ..errors import BadInput
 from . import print_json
 
@@ -225,7 +226,7 @@ def bisect(checkpoint: Path | None = CheckpointArg,
            device: str = typer.Option("cpu", help="cpu | cuda."),
            inject: list[str] = typer.Option([], help="Plant a fault KIND@SITE[:ARG] in the candidate."),
            qat: bool = typer.Option(True, help="QAT simulations in model.py."),
-           budget: float | None = typer.Option(None, help="Tolerance in multiples of the logits' noise floor (default 2)."),
+           budget: float = typer.Option(BISECT_BUDGET, help="Tolerance in multiples of the noise floor."),
            json_out: bool = typer.Option(False, "--json", help="Print the whole search as JSON."),
            ) -> None:
     """Binary search over layers or knockout over op families, judged on the final logits; or a sweep of the
@@ -242,9 +243,8 @@ def bisect(checkpoint: Path | None = CheckpointArg,
             out.print(f"probe: {p.what:<40} rel_l2 {_fmt(p.rel_l2)} (tol {_fmt(p.tolerance)}) {mark}",
                       highlight=False)
 
-    kw = {"budget": budget} if budget is not None else {}
     results = run_bisect(model, ids, candidate, axis, reference=reference, device=device, qat=qat,
-                         faults=[parse_fault(f) for f in inject], on_probe=show, **kw)
+                         faults=[parse_fault(f) for f in inject], on_probe=show, budget=budget)
     if json_out:
         print_json([r.to_dict() for r in results])
     else:
