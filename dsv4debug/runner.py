@@ -311,11 +311,15 @@ def pair_tie_margin(score_err: float) -> float:
 
 
 def rel_l2(ref: torch.Tensor, other: torch.Tensor) -> float:
-    """||other - ref|| / ||ref|| over positions finite in both (floors need only this, and fast)."""
-    both = torch.isfinite(ref) & torch.isfinite(other)
-    r, o = ref[both].double(), other[both].double()
-    den = float(r.norm())
-    return float((o - r).norm()) / den if den > 0 else 0.0
+    """||other - ref|| / ||ref|| over positions finite in both (floors need only this, and fast): in fp32 unless
+    both are fp64 (the difference of bf16 values is exact in fp32), masked without compacting (no size to wait
+    for on a GPU), both norms read in one transfer."""
+    dt = torch.promote_types(torch.promote_types(ref.dtype, other.dtype), torch.float32)
+    r, o = ref.to(dt), other.to(dt)
+    both = torch.isfinite(r) & torch.isfinite(o)
+    r = torch.where(both, r, 0.0)
+    den, num = torch.stack([r.norm(), torch.where(both, o - r, 0.0).norm()]).tolist()
+    return num / den if den > 0 else 0.0
 
 
 def _finite_or(x: float, default: float) -> float:

@@ -85,13 +85,12 @@ class Backend:
         """Whether `op` runs on this backend's own code (planted faults live there), not delegated."""
         return True
 
-    @torch.compiler.disable     # under --graph compile: weights resolve outside the graph, which then guards
     def dense(self, w: QWeight | None, dtype: torch.dtype) -> torch.Tensor | None:
         """The exact dequantised weight in `dtype` on this backend's device. Not cached: a prefill reads each
         weight once per stage, and dense copies kept for the stage would hold up to a layer's worth beside the
         stored weights on every side (fp64 floors: 4x the bf16 bytes; a Pro layer's 384 dense experts would
         be 51 GB in bf16). On a GPU through the fused (torch.compile'd, bit-identical) dequantisation. Not
-        traced by --graph compile: weights resolve outside the graph."""
+        traced by --graph compile (GraphBackend): weights resolve outside the graph."""
         if w is None:
             return None
         return w.dequantize(dtype, self.device, fused=self.device.type == "cuda")

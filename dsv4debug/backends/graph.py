@@ -60,6 +60,8 @@ class GraphBackend(Backend):
         self.numerics = inner.numerics
         self._ops: dict[str, Any] = {}
         self.not_captured: list[tuple[str, str]] = []     # (op, why) of calls whose capture failed
+        if mode == "compile":       # weights resolve outside the graph, which then guards on activations only
+            inner.dense = torch.compiler.disable(inner.dense)
 
     def is_candidate_op(self, op: str) -> bool:
         return self.inner.is_candidate_op(op)
