@@ -93,7 +93,7 @@ class Bisector:
         self.reference = make_backend(reference, device)
         self.same_rounding = candidate == reference        # the judge as candidate (planted faults)
         self.faults = list(faults)
-        check_faults_target_sites(self.faults, site_names(model.config, token_ids.numel()))
+        check_faults_target_sites(self.faults, lambda: site_names(model.config, token_ids.numel()))
         self.budget, self.on_probe = budget, on_probe
         self.stages = stages(model.config, token_ids.numel(), device, qat)
         # the judge's input to every stage and its final output, kept on the host: a probe "judge below stage

@@ -418,7 +418,7 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
     cmp = Comparator(candidate.numerics, opts.budget, "candidate.forced", "candidate", hi_local.run,
                      hi_free.run, ref_side.run)
     layers = opts.layers or range(cfg.n_layers)
-    check_faults_target_sites(opts.faults, site_names(cfg, ids.numel(), layers))
+    check_faults_target_sites(opts.faults, lambda: site_names(cfg, ids.numel(), layers))
     all_stages = [s for s in stages(cfg, ids.numel(), dev, opts.qat)
                   if s.layer < layers.stop or layers.stop == cfg.n_layers]
 
@@ -546,7 +546,7 @@ def graph_check(checkpoint, token_ids: torch.Tensor, candidate: str, graph: str 
     modes = parse_graph(graph, device)
     cfg = checkpoint.config
     layers = layers or range(cfg.n_layers)
-    check_faults_target_sites(list(faults), site_names(cfg, token_ids.numel(), layers))
+    check_faults_target_sites(list(faults), lambda: site_names(cfg, token_ids.numel(), layers))
 
     modules = ModuleCache(checkpoint)
 
