@@ -97,13 +97,16 @@ def assemble_idxs(win: torch.Tensor, compressed: torch.Tensor | None, offset: in
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
-                chunk: int = 256) -> torch.Tensor:
+                chunk_bytes: int = 256 << 20) -> torch.Tensor:
     """MQA over gathered rows with a per-head sink logit.
 
     q [S, H, d], kv [N, d] (K = V), sink [H], idx [S, K] rows of kv (-1 = skip) -> o [S, H, d].
     o = sum_j exp(s_j - m) kv_j / (sum_j exp(s_j - m) + exp(sink - m)), s_j = q . kv_j * scale (fp32).
+    Queries go in chunks whose gathered rows take about chunk_bytes (a Pro layer's fp64 floor gathers 4.7 MB
+    of rows per query).
     """
     out = torch.empty_like(q)
+    chunk = max(1, chunk_bytes // (idx.size(1) * kv.size(1) * max(kv.element_size(), acc(q).itemsize)))
     for a in range(0, q.size(0), chunk):
         qi, ii = q[a:a + chunk], idx[a:a + chunk]                          # [s, H, d], [s, K]
         kvg = kv[ii.clamp(min=0)]                                          # [s, K, d]
