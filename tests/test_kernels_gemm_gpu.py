@@ -78,3 +78,33 @@ def test_backend_linear_and_expert_ops():
     want = rb.expert(x, *ws, rw, limit=cfg.swiglu_limit)
     cos = torch.nn.functional.cosine_similarity(got.flatten().double(), want.flatten().double(), 0)
     assert cos >= 0.999 and torch.isfinite(got).all()
+
+
+def test_sim_w4a16_rounds_as_the_kernels_do():
+    """bisect judges the kernels by sim-w4a16 (Backend.simulator): on an FP8 linear and an MXFP4 expert, the
+    kernels land several times closer to it than to the bf16 reference (linear) or to the W4A4 `sim` (expert),
+    which is what lets faults below the quantisation noise stand out."""
+    from dsv4debug.backends.kernels import KernelsBackend
+    from dsv4debug.backends.reference import ReferenceBackend
+    from dsv4debug.backends.registry import make_backend
+    from dsv4debug.config import preset
+    from dsv4debug.formats import QWeight, fp8_block_quantize, mxfp4_quantize
+    from dsv4debug.runner import rel_l2
+    cfg = preset("flash")
+    g = torch.Generator().manual_seed(2)
+    D, I = cfg.dim, cfg.moe_inter_dim
+    kb = KernelsBackend("cuda")
+    judge, ref, w4a4 = make_backend(kb.simulator, "cuda"), ReferenceBackend("cuda"), make_backend("sim", "cuda")
+    x = torch.randn(200, D, generator=g).bfloat16().cuda()
+    q, s = fp8_block_quantize(torch.randn(1024, D, generator=g) * D ** -0.5)
+    w = QWeight("layers.0.attn.wq_a", "fp8", {"weight": q, "scale": s})
+    got = kb.linear(x, w)
+    assert rel_l2(judge.linear(x, w), got) * 4 <= rel_l2(ref.linear(x, w), got)
+    ws = []
+    for name, shape in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+        a, sc = mxfp4_quantize(torch.randn(*shape, generator=g) * shape[1] ** -0.5)
+        ws.append(QWeight(f"layers.0.ffn.experts.0.{name}", "mxfp4", {"weight": a, "scale": sc}))
+    rw = torch.rand(200, generator=g).cuda()
+    got = kb.expert(x, *ws, rw, limit=cfg.swiglu_limit)
+    near = rel_l2(judge.expert(x, *ws, rw, limit=cfg.swiglu_limit), got)
+    assert near * 4 <= rel_l2(w4a4.expert(x, *ws, rw, limit=cfg.swiglu_limit), got)
