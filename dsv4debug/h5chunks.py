@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-HASH_NAME = "blake2b-256"
+HASH_NAME = "sha256"           # SHA-NI: 1.8 GB/s a core, where blake2b did 1.3 (the capture writer's largest cost)
 CHUNK_BYTES = 1 << 20           # target stored bytes per chunk: large enough for throughput, small for diff
 _ZLIB_HEADER = b"\x78\x01"
 _FINAL_EMPTY_BLOCK = b"\x01\x00\x00\xff\xff"
@@ -238,8 +238,8 @@ def source_array(t: torch.Tensor) -> tuple[np.ndarray, np.dtype, bool]:
 
 
 def content_hash(t: torch.Tensor) -> str:
-    """blake2b-256 of a host tensor's bytes in its own dtype, C order."""
+    """SHA-256 of a host tensor's bytes in its own dtype, C order."""
     data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-    return f"{HASH_NAME}:{hashlib.blake2b(data, digest_size=32).hexdigest()}"
+    return f"{HASH_NAME}:{hashlib.sha256(data).hexdigest()}"
 
 

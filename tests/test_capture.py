@@ -140,7 +140,7 @@ def test_round_trip_stats_and_tensors(tmp_path):
         site = r.site("reference", "layers.0.attn.indexer.topk")
         assert site["inputs"] == ["embed"] and site["attrs"] == {"note": "hi"} and site["layer"] == 0
         assert site["tensor"]["token_slice"] == [0, T]
-        assert r.hash("reference", "embed").startswith("blake2b-256:")
+        assert r.hash("reference", "embed").startswith("sha256:")
         assert r.layers_completed("reference") == [0]
 
 
@@ -158,8 +158,8 @@ def test_plain_h5py_reads_stored_tensors_and_hash(tmp_path):
             assert dset.dtype == np.float32 and dset.compression == "gzip" and dset.shuffle
             assert np.array_equal(data, x.float().numpy())
             bf16_bytes = (data.view(np.uint32) >> 16).astype("<u2").tobytes()
-            digest = hashlib.blake2b(bf16_bytes, digest_size=32).hexdigest()
-            assert dset.attrs["hash"] == f"blake2b-256:{digest}"
+            digest = hashlib.sha256(bf16_bytes).hexdigest()
+            assert dset.attrs["hash"] == f"sha256:{digest}"
             assert f.attrs["format_version"] == FORMAT_VERSION
 
 
@@ -455,4 +455,6 @@ def test_device_and_host_statistics_agree(dtype, monkeypatch):
     device = ts.combine_blocks(list(ts.device_stats(x).numpy()), x.numel(), ts.DEVICE_CHUNK)
     exact = (0, 1, 2, 3, 6, 8)                                         # counts, min, max, absmax, first bad
     assert [host[i] for i in exact] == [device[i] for i in exact]
-    assert [device[i] for i in (4, 5, 7)] == pytest.approx([host[i] for i in (4, 5, 7)], rel=1e-12)   # sums
+    # sums: float64 on both sides, except the host's bf16 blocks (float32 pairwise sums, ~1e-7 log2 n)
+    rel = 1e-6 if dtype == torch.bfloat16 else 1e-12
+    assert [device[i] for i in (4, 5, 7)] == pytest.approx([host[i] for i in (4, 5, 7)], rel=rel)
