@@ -84,8 +84,13 @@ def judge_for(candidate: str) -> str:
 class Bisector:
     def __init__(self, model: Checkpoint, token_ids: torch.Tensor, candidate: str, reference: str | None = None,
                  device: str = "cpu", qat: bool = True, faults: list[Fault] = (), budget: float = BISECT_BUDGET,
-                 on_probe: Callable[[Probe], None] | None = None):
+                 on_probe: Callable[[Probe], None] | None = None, free_routing: bool = False):
         self.model, self.ids, self.device, self.qat = model, token_ids.to(device), device, qat
+        # every probe and floor routes by the judge's expert ids unless free_routing: a near-tie that flips
+        # moves a token's whole expert output, and the fp64 floor flips many more than a bf16 candidate (on the
+        # tiny model pinning cut the logits' floor 3.6x and a score-routed layer's 3.7x); the weights stay each
+        # side's own, so a scoring bug still shows, a wrong selection only with free_routing (or in `run`)
+        self.pin = None if free_routing else "ids"
         reference = reference or judge_for(candidate)
         self.candidate_name = candidate
         self.candidate = candidate_backend(candidate, reference, device)
@@ -133,7 +138,8 @@ class Bisector:
     def _forward(self, backend: Backend, start: int, faults: list[Fault], keep_states: bool = False
                  ) -> torch.Tensor:
         """Stages start.. on `backend`, from the judge's input to stage `start`."""
-        side = Side(backend.name, backend, WeightSource(self.model, faults), faults)
+        side = Side(backend.name, backend, WeightSource(self.model, faults), faults,
+                    pin=None if keep_states else self.pin, pinned=self._pinned)
         state = _to(self.ref_states[start], self.device) if start else State(self.ids)
         observer = self._keep_routes if keep_states else None
         for k in range(start, len(self.stages)):
@@ -170,14 +176,12 @@ class Bisector:
         """Stage k alone on the candidate, from the judge's input to it, against the judge's output; its
         floor is the judge's own stage in fp64 from the same input (one read of the weights for both)."""
         inp, want = _to(self.ref_states[k], self.device), self.ref_states[k + 1].h.to(self.device)
-        # both sides route as the judge did: a near-tie that flips moves a token's whole expert output, which
-        # would swamp the floor (3.7x on the tiny model's score-routed layers); weights stay each side's own
         cand = Side(self.candidate.name, self.candidate, WeightSource(self.model, self.faults, modules), self.faults,
-                    pin="ids", pinned=self._pinned)
+                    pin=self.pin, pinned=self._pinned)
         got = self._run_stage(Executor(cand), k, inp).h
         floor = MIN_FLOORS["rel_l2"]
         if not self.same_rounding:
-            hi = Side("fp64", self.hi, WeightSource(self.model, [], modules), pin="ids", pinned=self._pinned)
+            hi = Side("fp64", self.hi, WeightSource(self.model, [], modules), pin=self.pin, pinned=self._pinned)
             wide = self._run_stage(Executor(hi), k, _to(inp, self.device, torch.float64)).h
             floor = max(rel_l2(wide, want.to(wide.dtype)), floor)
         modules.clear()

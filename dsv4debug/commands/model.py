@@ -227,6 +227,10 @@ def bisect(checkpoint: Path | None = CheckpointArg,
            inject: list[str] = typer.Option([], help="Plant a fault KIND@SITE[:ARG] in the candidate."),
            qat: bool = typer.Option(True, help="QAT simulations in model.py."),
            budget: float = typer.Option(BISECT_BUDGET, help="Tolerance in multiples of the noise floor."),
+           free_routing: bool = typer.Option(False, "--free-routing",
+                                             help="Let the candidate choose its own experts (default: every "
+                                                  "probe routes by the judge's ids; a wrong selection shows "
+                                                  "only with this)."),
            json_out: bool = typer.Option(False, "--json", help="Print the whole search as JSON."),
            ) -> None:
     """Binary search over layers or knockout over op families, judged on the final logits; or a sweep of the
@@ -244,7 +248,8 @@ def bisect(checkpoint: Path | None = CheckpointArg,
                       highlight=False)
 
     results = run_bisect(model, ids, candidate, axis, reference=reference, device=device, qat=qat,
-                         faults=[parse_fault(f) for f in inject], on_probe=show, budget=budget)
+                         faults=[parse_fault(f) for f in inject], on_probe=show, budget=budget,
+                         free_routing=free_routing)
     if json_out:
         print_json([r.to_dict() for r in results])
     else:
