@@ -92,6 +92,10 @@ class Bisector:
         # side's own, so a scoring bug still shows, a wrong selection only with free_routing (or in `run`)
         self.pin = None if free_routing else "ids"
         reference = reference or judge_for(candidate)
+        try:
+            backend_class(reference)
+        except BadInput as e:
+            raise BadInput(f"--reference {reference}: {e}") from None
         self.candidate_name = candidate
         self.candidate = candidate_backend(candidate, reference, device)
         self.reference_name = reference

@@ -216,6 +216,19 @@ def test_faults_reach_only_the_candidates_own_ops(tiny, tokens):
                       reference_families=("experts",)).diverged      # delegated ops read clean weights
 
 
+def test_bisect_cli_stage_sweep_json_and_a_bad_judge(tiny_dir, capsys):
+    from dsv4debug.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["bisect", str(tiny_dir), "--seq-len", "32", "--axis", "stages", "--json",
+              "--inject", "swap_experts@layers.1:2,6"])
+    assert e.value.code == 1
+    (res,) = json.loads(capsys.readouterr().out)
+    assert res["judged_by"] == "sim" and res["culprit_stage"] == "layers.1"
+    with pytest.raises(SystemExit) as e:
+        main(["bisect", str(tiny_dir), "--seq-len", "8", "--reference", "nope"])
+    assert e.value.code == 2 and "--reference nope: unknown backend" in capsys.readouterr().err
+
+
 def test_kernels_candidate_without_a_gpu_is_bad_input(tiny_dir, capsys):
     from dsv4debug.cli import main
     with pytest.raises(SystemExit) as e:
