@@ -51,13 +51,23 @@ def test_split_k_is_deterministic_and_reusable(gen):
     assert (a.float() - c.float()).abs().max() <= 2 ** -6 * c.float().abs().max()
 
 
+def _mxfp4_expert(dim: int, inter: int, g: torch.Generator) -> list:
+    """w1, w3, w2 of one MXFP4 expert of random weights (host tensors, as a checkpoint holds them)."""
+    from dsv4debug.formats import QWeight, mxfp4_quantize
+    ws = []
+    for name, shape in (("w1", (inter, dim)), ("w3", (inter, dim)), ("w2", (dim, inter))):
+        a, sc = mxfp4_quantize(torch.randn(*shape, generator=g) * shape[1] ** -0.5)
+        ws.append(QWeight(f"layers.0.ffn.experts.0.{name}", "mxfp4", {"weight": a, "scale": sc}))
+    return ws
+
+
 def test_backend_linear_and_expert_ops():
     """The kernels backend's ops against the reference backend on synthetic checkpoint weights."""
     from dsv4debug.backends.kernels import KernelsBackend
     from dsv4debug.backends.reference import ReferenceBackend
     from dsv4debug.backends.sim import SimBackend
     from dsv4debug.config import preset
-    from dsv4debug.formats import QWeight, fp8_block_quantize, mxfp4_quantize
+    from dsv4debug.formats import QWeight, fp8_block_quantize
     cfg = preset("flash")
     g = torch.Generator().manual_seed(1)
     D, I = cfg.dim, cfg.moe_inter_dim
@@ -69,10 +79,7 @@ def test_backend_linear_and_expert_ops():
     e_k = float((got.double() - ref.double()).norm() / ref.double().norm())
     e_s = float((sim.double() - ref.double()).norm() / ref.double().norm())
     assert e_k <= 1.1 * e_s
-    ws = []
-    for name, shape in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
-        a, sc = mxfp4_quantize(torch.randn(*shape, generator=g) * shape[1] ** -0.5)
-        ws.append(QWeight(f"layers.0.ffn.experts.0.{name}", "mxfp4", {"weight": a, "scale": sc}))
+    ws = _mxfp4_expert(D, I, g)
     rw = torch.rand(37, generator=g).cuda()
     got = kb.expert(x, *ws, rw, limit=cfg.swiglu_limit)
     want = rb.expert(x, *ws, rw, limit=cfg.swiglu_limit)
@@ -88,7 +95,7 @@ def test_sim_w4a16_rounds_as_the_kernels_do():
     from dsv4debug.backends.reference import ReferenceBackend
     from dsv4debug.backends.registry import make_backend
     from dsv4debug.config import preset
-    from dsv4debug.formats import QWeight, fp8_block_quantize, mxfp4_quantize
+    from dsv4debug.formats import QWeight, fp8_block_quantize
     from dsv4debug.runner import rel_l2
     cfg = preset("flash")
     g = torch.Generator().manual_seed(2)
@@ -100,10 +107,7 @@ def test_sim_w4a16_rounds_as_the_kernels_do():
     w = QWeight("layers.0.attn.wq_a", "fp8", {"weight": q, "scale": s})
     got = kb.linear(x, w)
     assert rel_l2(judge.linear(x, w), got) * 4 <= rel_l2(ref.linear(x, w), got)
-    ws = []
-    for name, shape in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
-        a, sc = mxfp4_quantize(torch.randn(*shape, generator=g) * shape[1] ** -0.5)
-        ws.append(QWeight(f"layers.0.ffn.experts.0.{name}", "mxfp4", {"weight": a, "scale": sc}))
+    ws = _mxfp4_expert(D, I, g)
     rw = torch.rand(200, generator=g).cuda()
     got = kb.expert(x, *ws, rw, limit=cfg.swiglu_limit)
     near = rel_l2(judge.expert(x, *ws, rw, limit=cfg.swiglu_limit), got)
