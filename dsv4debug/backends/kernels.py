@@ -22,8 +22,10 @@ zero-padded to 64); radix-select top-k, ids in index order (the runner compares 
 compressor (compressor): the kv and gate projections as one bf16 x bf16 -> fp32 WGMMA GEMM (torch fp32 matmul
 where the weights are not bf16-valued or the shape does not fit), then one kernel for the pooling (ratio-4
 overlapping / ratio-128), RMSNorm, RoPE and the FP8 or Hadamard + FP4 QAT.
-Not implemented: embed, grouped_linear, logits, gate, moe_combine. The
-kernels take bf16 activations (the serving dtype): the fp32/fp64 twins stay on the reference.
+grouped_linear (wo_a; compressor module's bf16 x bf16 -> fp32 WGMMA GEMM, one launch per head group on the
+dequantised weight, which FP8 values are exactly in bf16; the groups' activations are made contiguous with
+torch; shapes the GEMM's tiles do not fit are declined). Not implemented: embed, logits, gate, moe_combine.
+The kernels take bf16 activations (the serving dtype): the fp32/fp64 twins stay on the reference.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ KERNEL_MODULES = {
     "sparse_attn": "dsv4_kernels.sparse_attn (+ kv_cache write)",
     "indexer_scores": "dsv4_kernels.indexer", "indexer_topk": "dsv4_kernels.indexer",
     "compressor": "dsv4_kernels.compressor", "indexer_q": "dsv4_kernels.compressor",
+    "grouped_linear": "dsv4_kernels.compressor (bf16_gemm_f32, one launch per group)",
 }
 
 
@@ -86,6 +89,12 @@ class KernelsBackend(Backend):
         fmt = args[1].fmt if op in ("linear", "expert") else None
         if fmt is not None and fmt not in ("fp8", "nvfp4", "mxfp4"):
             return f"{fmt} weights"
+        if op == "grouped_linear":
+            rows, cols = args[1].shape                     # [G*R, H*d/G], o [S, H, d]
+            per_group = rows * cols // (args[0].shape[1] * args[0].shape[2])   # R
+            if per_group % 128 or cols % 64:
+                return (f"wo_a groups of {per_group} x {cols} (the GEMM's tiles need rows % 128 and "
+                        "columns % 64)")
         return None
 
     @staticmethod
@@ -123,6 +132,16 @@ class KernelsBackend(Backend):
             raise BadInput(f"kernels backend op compressor: the kernel rotates 64 rope dims, not {rope_dim}")
         return compressor.compress_op(self._bf16(x, "compressor"), self.param(wkv), self.param(wgate),
                                       self.param(ape), self.param(norm), freqs, ratio, rope_dim, eps, rotate, qat)
+
+    # ---- wo_a: one bf16 GEMM per head group (kernels/compressor.py's bf16_gemm_f32)
+    def grouped_linear(self, o, w, *, groups):
+        from dsv4_kernels import compressor
+        o = self._bf16(o, "grouped_linear")
+        S = o.size(0)
+        og = o.reshape(S, groups, -1).transpose(0, 1).contiguous()              # [G, S, H*d/G]
+        wg = self.dense(w, torch.bfloat16).view(groups, -1, og.size(-1))        # [G, R, H*d/G]
+        z = torch.stack([compressor.bf16_gemm_f32(og[g], wg[g]) for g in range(groups)], dim=1)   # [S, G, R]
+        return z.flatten(1).to(torch.bfloat16)                                  # [S, G*R]
 
     # ---- lightning indexer (kernels/indexer.py); weights * weight_scale is one bf16 torch multiply
     def indexer_scores(self, q, k, weights, *, ratio, weight_scale):
