@@ -134,3 +134,17 @@ def test_backend_grouped_linear_is_the_reference_up_to_summation_order(preset_na
     got, want = kb.grouped_linear(o, w, groups=G), ReferenceBackend("cuda").grouped_linear(o, w, groups=G)
     assert got.shape == want.shape == (300, G * R) and got.dtype == torch.bfloat16
     assert rel_l2(want, got) <= 2 ** -8
+
+
+def test_backend_logits_are_the_fp32_head_up_to_summation_order():
+    from dsv4debug.backends.kernels import KernelsBackend
+    from dsv4debug.backends.reference import ReferenceBackend
+    from dsv4debug.formats import QWeight
+    from dsv4debug.runner import rel_l2
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(77, 4096, generator=g).bfloat16().cuda()
+    w = QWeight("head.weight", "bf16_plain", {"": (torch.randn(129280, 4096, generator=g) * 0.02).bfloat16()})
+    kb = KernelsBackend("cuda")
+    assert kb.unsupported("logits", (x, w)) is None
+    got, want = kb.logits(x, w), ReferenceBackend("cuda").logits(x, w)
+    assert got.dtype == want.dtype == torch.float32 and rel_l2(want, got) <= 1e-5

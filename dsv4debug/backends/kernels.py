@@ -24,7 +24,9 @@ where the weights are not bf16-valued or the shape does not fit), then one kerne
 overlapping / ratio-128), RMSNorm, RoPE and the FP8 or Hadamard + FP4 QAT.
 grouped_linear (wo_a; compressor module's bf16 x bf16 -> fp32 WGMMA GEMM, one launch per head group on the
 dequantised weight, which FP8 values are exactly in bf16; the groups' activations are made contiguous with
-torch; shapes the GEMM's tiles do not fit are declined). Not implemented: embed, logits, gate, moe_combine.
+torch; shapes the GEMM's tiles do not fit are declined). logits (the same GEMM: bf16 head weights, fp32
+out, as DeepSeek's fp32 head on bf16 operands; other head formats are declined). Not implemented: embed,
+gate, moe_combine.
 The kernels take bf16 activations (the serving dtype): the fp32/fp64 twins stay on the reference.
 """
 from __future__ import annotations
@@ -44,7 +46,15 @@ KERNEL_MODULES = {
     "indexer_scores": "dsv4_kernels.indexer", "indexer_topk": "dsv4_kernels.indexer",
     "compressor": "dsv4_kernels.compressor", "indexer_q": "dsv4_kernels.compressor",
     "grouped_linear": "dsv4_kernels.compressor (bf16_gemm_f32, one launch per group)",
+    "logits": "dsv4_kernels.compressor (bf16_gemm_f32)",
 }
+
+
+def _gemm_tiles(n: int, k: int) -> str | None:
+    """Why bf16_gemm_f32's tiles do not fit an [n, k] weight (None: they do)."""
+    if n % 128 or k % 64:
+        return f"a {n} x {k} weight (bf16_gemm_f32's tiles need rows % 128 and columns % 64)"
+    return None
 
 
 def _load_kernels():
@@ -86,15 +96,14 @@ class KernelsBackend(Backend):
         self._gen = torch.Generator().manual_seed(0)     # block order of the paged KV round trip
 
     def unsupported(self, op: str, args: tuple) -> str | None:
-        fmt = args[1].fmt if op in ("linear", "expert") else None
-        if fmt is not None and fmt not in ("fp8", "nvfp4", "mxfp4"):
-            return f"{fmt} weights"
-        if op == "grouped_linear":
-            rows, cols = args[1].shape                     # [G*R, H*d/G], o [S, H, d]
-            per_group = rows * cols // (args[0].shape[1] * args[0].shape[2])   # R
-            if per_group % 128 or cols % 64:
-                return (f"wo_a groups of {per_group} x {cols} (the GEMM's tiles need rows % 128 and "
-                        "columns % 64)")
+        x, w = args[0], args[1] if len(args) > 1 else None
+        if op in ("linear", "expert") and w.fmt not in ("fp8", "nvfp4", "mxfp4"):
+            return f"{w.fmt} weights"
+        if op == "logits":
+            return f"{w.fmt} head weights" if w.fmt != "bf16_plain" else _gemm_tiles(*w.shape)
+        if op == "grouped_linear":                          # w [G*R, H*d/G], x [S, H, d]: tiles per group
+            rows, cols = w.shape
+            return _gemm_tiles(rows * cols // (x.shape[1] * x.shape[2]), cols)
         return None
 
     @staticmethod
@@ -142,6 +151,11 @@ class KernelsBackend(Backend):
         wg = self.dense(w, torch.bfloat16).view(groups, -1, og.size(-1))        # [G, R, H*d/G]
         z = torch.stack([compressor.bf16_gemm_f32(og[g], wg[g]) for g in range(groups)], dim=1)   # [S, G, R]
         return z.flatten(1).to(torch.bfloat16)                                  # [S, G*R]
+
+    # ---- head: x bf16 [S, D] @ head bf16 [V, D]^T -> fp32 logits [S, V]
+    def logits(self, x, w):
+        from dsv4_kernels import compressor
+        return compressor.bf16_gemm_f32(self._bf16(x, "logits"), self.dense(w, torch.bfloat16))
 
     # ---- lightning indexer (kernels/indexer.py); weights * weight_scale is one bf16 torch multiply
     def indexer_scores(self, q, k, weights, *, ratio, weight_scale):
