@@ -195,14 +195,16 @@ def nvfp4_dequantize(w: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2
 NVFP4Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _cast_one(w: torch.Tensor, s: torch.Tensor, k_max: int, scale_2: torch.Tensor) -> tuple[NVFP4Triple, int]:
-    """One MXFP4 tensor -> NVFP4 with the shared scale_2 = 2^(k_max - 8); returns the triple and lossy blocks."""
+def _cast_one(w: torch.Tensor, s: torch.Tensor, k_max: int, scale_2: torch.Tensor, all_exact: bool
+              ) -> tuple[NVFP4Triple, int]:
+    """One MXFP4 tensor -> NVFP4 with the shared scale_2 = 2^(k_max - 8); returns the triple and lossy blocks.
+    all_exact: every block's exponent is known to be within 17 of k_max (no check, no host sync)."""
     k = e8m0_exponent(s).repeat_interleave(2, dim=-1)                   # [out, in/16], each 32-block = two 16s
     d = k - (k_max - 8)                                                 # block scale exponent relative to scale_2
     exact = d >= -9                                                     # 2^-9 is e4m3's smallest subnormal
     ws = pow2(d.clamp(-9, 8)).to(E4M3)
     packed = w.view(torch.uint8)
-    if bool(exact.all()):
+    if all_exact or bool(exact.all()):
         return (packed.clone(), ws, scale_2), 0
     # blocks too small for e4m3 relative to scale_2: re-quantise their values with data-derived scales
     source = mxfp4_dequantize(w, s)
@@ -222,12 +224,15 @@ def mxfp4_to_nvfp4(w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor | None =
     scale is 2^(k_j - (k_max - 8)) in e4m3 and the nibbles are copied bit for bit. Blocks whose exponent is
     more than 17 below k_max fall back to data-derived scales. Returns (nv1, nv3 or None, lossy block count).
     """
-    k_max = int(torch.stack([e8m0_exponent(s).max() for s in (s1, s3) if s is not None]).max())   # one sync
+    ks = [e8m0_exponent(s) for s in (s1, s3) if s is not None]
+    k_max, k_min = torch.stack([torch.stack([k.max() for k in ks]).max(),
+                                torch.stack([k.min() for k in ks]).min()]).tolist()   # the one host sync
     scale_2 = torch.tensor(math.ldexp(1.0, k_max - 8), dtype=torch.float32, device=w1.device)
-    nv1, lossy1 = _cast_one(w1, s1, k_max, scale_2)
+    all_exact = k_min >= k_max - 17                                     # every block scale fits e4m3 exactly
+    nv1, lossy1 = _cast_one(w1, s1, k_max, scale_2, all_exact)
     if w3 is None or s3 is None:
         return nv1, None, lossy1
-    nv3, lossy3 = _cast_one(w3, s3, k_max, scale_2)
+    nv3, lossy3 = _cast_one(w3, s3, k_max, scale_2, all_exact)
     return nv1, nv3, lossy1 + lossy3
 
 

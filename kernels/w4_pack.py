@@ -35,7 +35,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from dsv4debug.formats import constant_table, on_device
+
+from dsv4debug.formats import constant_table, exact_compile, on_device
 
 BLOCK_ROWS = 64           # rows per warpgroup block
 CTA_ROWS = 128            # rows per CTA (two consumer warpgroups)
@@ -62,8 +63,9 @@ def _codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)          # [N, K] codes, even element first
 
 
-def encode_scales(ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """e4m3 block scales -> (u codes uint8, zero mask, negative mask)."""
+def encode_scales(ws: torch.Tensor, check: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """e4m3 block scales -> (u codes uint8, zero mask, negative mask). check: raise on NaN (one host sync); off
+    for scales this package made itself (the MXFP4 -> NVFP4 cast), which cannot be NaN."""
     s = ws.float()
     neg = s < 0
     a = s.abs()
@@ -73,7 +75,7 @@ def encode_scales(ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     frac = (m * 2 - 1) * 8
     mant = frac.round()
     outside = (frac != mant) | (~zero & ((big_e < -9) | (big_e > 8)))   # cannot happen for real e4m3 bytes
-    if bool((outside | torch.isnan(s)).any()):                        # one host sync for both checks
+    if check and bool((outside | torch.isnan(s)).any()):              # one host sync for both checks
         if torch.isnan(s).any():
             raise ValueError("NVFP4 block scale is NaN: not representable by the W4A16 kernels")
         raise ValueError("block scale outside the e4m3 range")
@@ -82,12 +84,12 @@ def encode_scales(ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return u.to(torch.uint8), zero, neg
 
 
-def pack_nvfp4(packed: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor | float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_nvfp4(packed: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor | float,
+               check_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One NVFP4 weight (uint8 [N, K/2], e4m3 [N, K/16], fp32 scalar) -> (blob, sblob, gscale) with E = 1."""
     n, k = packed.shape[0], packed.shape[1] * 2
     _check_shape(n, k)
-    u, zero, neg = encode_scales(weight_scale)                         # [N, K/16]; checks them (one sync)
+    u, zero, neg = encode_scales(weight_scale, check_scales)           # [N, K/16]; checked: one sync
     layout = _fused_layout() if packed.is_cuda else _layout
     blob, sblob = layout(packed, u, zero, neg)
     gscale = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=packed.device).reshape(1) * 128.0
@@ -115,7 +117,6 @@ def _layout(packed: torch.Tensor, u: torch.Tensor, zero: torch.Tensor, neg: torc
 def _fused_layout():
     """_layout as one torch.compile'd graph (integer ops only: the same bytes), for GPU tensors: a Pro layer's
     384 experts are repacked on every call."""
-    from dsv4debug.formats import exact_compile
     return exact_compile(_layout)
 
 
@@ -159,9 +160,10 @@ def interleave_w13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
                        ).reshape(2 * n, *w1.shape[1:])
 
 
-def pack_nvfp4_w13(w1, s1, w3, s3, scale_2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_nvfp4_w13(w1, s1, w3, s3, scale_2, check_scales: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused gate/up weight of one expert (w1 and w3 share weight_scale_2, as ModelOpt writes them)."""
-    return pack_nvfp4(interleave_w13(w1, w3), interleave_w13(s1, s3), scale_2)
+    return pack_nvfp4(interleave_w13(w1, w3), interleave_w13(s1, s3), scale_2, check_scales)
 
 
 def stack_packed(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]

@@ -206,7 +206,7 @@ class KernelsBackend(Backend):
                     nv, _, lossy = mxfp4_to_nvfp4(t["weight"], t["scale"])
                     if lossy:
                         raise BadInput(f"{w.name}: the MXFP4 -> NVFP4 cast is lossy for {lossy} blocks")
-                    p = self._gemm["pack"].pack_nvfp4(*nv)
+                    p = self._gemm["pack"].pack_nvfp4(*nv, check_scales=False)     # the cast's own scales
                 else:
                     p = self._gemm["pack"].pack_nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"])
             else:                                       # "expert": fused w1|w3 and w2 of one expert
