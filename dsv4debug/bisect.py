@@ -85,7 +85,8 @@ def judge_for(candidate: str) -> str:
 class Bisector:
     def __init__(self, model: Checkpoint, token_ids: torch.Tensor, candidate: str, reference: str | None = None,
                  device: str = "cpu", qat: bool = True, faults: list[Fault] = (), budget: float = BISECT_BUDGET,
-                 on_probe: Callable[[Probe], None] | None = None, free_routing: bool = False):
+                 on_probe: Callable[[Probe], None] | None = None, free_routing: bool = False,
+                 progress: Callable[[str, int, int], None] | None = None):
         self.model, self.ids, self.device, self.qat = model, token_ids.to(device), device, qat
         # every probe and floor routes by the judge's expert ids unless free_routing: a near-tie that flips
         # moves a token's whole expert output, and the fp64 floor flips many more than a bf16 candidate (on the
@@ -104,13 +105,13 @@ class Bisector:
         self.same_rounding = candidate == reference        # the judge as candidate (planted faults)
         self.faults = list(faults)
         check_faults_target_sites(self.faults, lambda: site_names(model.config, token_ids.numel()))
-        self.budget, self.on_probe = budget, on_probe
+        self.budget, self.on_probe, self.progress = budget, on_probe, progress   # progress(what, stage, of)
         self.stages = stages(model.config, token_ids.numel(), device, qat)
         # the judge's input to every stage and its final output, kept on the host: a probe "judge below stage
         # k" starts from the k-th and runs only the candidate's stages (one weight read per stage, not two)
         self.ref_states: list[State] = []
         self.routes: dict[str, torch.Tensor] = {}      # the judge's gate outputs by output name, on the host
-        self.ref_logits = self._forward(self.reference, 0, [], keep_states=True)
+        self.ref_logits = self._forward(self.reference, 0, [], keep_states=True, phase="judge")
         # a quantising candidate judged by a bf16 reference is allowed its quantisation noise
         self.unmatched_quantization = self.candidate.numerics == "quantized" and self.reference.numerics != "quantized"
         self.bar = QUANTIZED_FREE_BAR if self.unmatched_quantization else 0.0
@@ -122,7 +123,7 @@ class Bisector:
         if self._floor is None:
             self._floor = MIN_FLOORS["rel_l2"]
             if not self.same_rounding:
-                hi = self._forward(self.hi, 0, [])
+                hi = self._forward(self.hi, 0, [], phase="fp64 floor")
                 self._floor = max(rel_l2(hi, self.ref_logits.to(hi.dtype)), self._floor)
         return self._floor
 
@@ -135,13 +136,15 @@ class Bisector:
         """The judge in fp64: the floors' other side."""
         return make_backend(self.reference_name, self.device, torch.float64)
 
-    def _run_stage(self, ex: Executor, k: int, state: State) -> State:
+    def _run_stage(self, ex: Executor, k: int, state: State, phase: str) -> State:
+        if self.progress:
+            self.progress(f"{phase}: {self.stages[k].name}", k, len(self.stages))
         state = self.stages[k].run(ex, state)
         ex.end_stage()
         return state
 
-    def _forward(self, backend: Backend, start: int, faults: list[Fault], keep_states: bool = False
-                 ) -> torch.Tensor:
+    def _forward(self, backend: Backend, start: int, faults: list[Fault], keep_states: bool = False,
+                 phase: str = "probe") -> torch.Tensor:
         """Stages start.. on `backend`, from the judge's input to stage `start`."""
         side = Side(backend.name, backend, WeightSource(self.model, faults), faults,
                     pin=None if keep_states else self.pin, pinned=self._pinned)
@@ -150,7 +153,7 @@ class Bisector:
         for k in range(start, len(self.stages)):
             if keep_states:
                 self.ref_states.append(_to(state, "cpu"))
-            state = self._run_stage(Executor(side, observer=observer), k, state)
+            state = self._run_stage(Executor(side, observer=observer), k, state, phase)
         if keep_states:
             self.ref_states.append(_to(state, "cpu"))
         return state.h
@@ -183,11 +186,11 @@ class Bisector:
         inp, want = _to(self.ref_states[k], self.device), self.ref_states[k + 1].h.to(self.device)
         cand = Side(self.candidate.name, self.candidate, WeightSource(self.model, self.faults, modules), self.faults,
                     pin=self.pin, pinned=self._pinned)
-        got = self._run_stage(Executor(cand), k, inp).h
+        got = self._run_stage(Executor(cand), k, inp, "sweep").h
         floor = MIN_FLOORS["rel_l2"]
         if not self.same_rounding:
             hi = Side("fp64", self.hi, WeightSource(self.model, [], modules), pin=self.pin, pinned=self._pinned)
-            wide = self._run_stage(Executor(hi), k, _to(inp, self.device, torch.float64)).h
+            wide = self._run_stage(Executor(hi), k, _to(inp, self.device, torch.float64), "sweep, fp64").h
             floor = max(rel_l2(wide, want.to(wide.dtype)), floor)
         modules.clear()
         nan = bool(torch.isnan(got).any())

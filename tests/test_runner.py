@@ -392,3 +392,12 @@ def test_stage_sweep_needs_three_layers_for_the_median(tiny, tokens, monkeypatch
     monkeypatch.setattr(b, "_stage_probe", lambda k, modules: Probe(
         names[k], [names[k]], [], ratios[names[k]] * 0.01, 2 * 0.01, False, 0.01))
     assert b.stage_sweep().culprit_stage is None          # two layers: only the 2-floor rule
+
+
+def test_bisect_reports_progress_for_every_stage_it_runs(tiny, tokens):
+    seen = []
+    bisect(tiny, tokens[:16], "sim", "layers,stages", reference="reference",
+           faults=[parse_fault("nan@layers.3.attn.wkv")], progress=lambda what, i, n: seen.append((what, i, n)))
+    n = tiny.config.n_layers + 2
+    assert {w.split(":")[0] for w, _, _ in seen} == {"judge", "fp64 floor", "probe", "sweep", "sweep, fp64"}
+    assert [i for w, i, _ in seen if w.startswith("judge")] == list(range(n)) and {t for _, _, t in seen} == {n}

@@ -247,9 +247,10 @@ def bisect(checkpoint: Path | None = CheckpointArg,
             out.print(f"probe: {p.what:<40} rel_l2 {_fmt(p.rel_l2)} (tol {_fmt(p.tolerance)}) {mark}",
                       highlight=False)
 
-    results = run_bisect(model, ids, candidate, axis, reference=reference, device=device, qat=qat,
-                         faults=[parse_fault(f) for f in inject], on_probe=show, budget=budget,
-                         free_routing=free_routing)
+    with _progress(not json_out and sys.stderr.isatty()) as progress:
+        results = run_bisect(model, ids, candidate, axis, reference=reference, device=device, qat=qat,
+                             faults=[parse_fault(f) for f in inject], on_probe=show, budget=budget,
+                             free_routing=free_routing, progress=_stage_callback(progress))
     if json_out:
         print_json([r.to_dict() for r in results])
     else:
