@@ -100,13 +100,17 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
 
     t_cold = timed(forward, device)                      # generates + dequantises the layer's weights
     t_warm = timed(forward, device, repeat=3)            # weights cached: the forward itself
-    if profile:                                           # where a warm forward's time goes, by op and kernel
+    def profiled(what: str, fn) -> None:                 # where a warm run's time goes, by op and kernel
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
-            forward()
+            fn()
             sync(device)
+        print(f"--- {what}")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+    if profile:
+        profiled("forward", forward)
 
     with tempfile.TemporaryDirectory() as tmp:
         writer = CaptureWriter(Path(tmp) / "bench.h5", {"token_ids": ids.tolist()}, "stats")
@@ -117,6 +121,8 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
             writer.end_layer(run, layer)
 
         t_capture = min(timed(lambda r=r: captured(r), device) for r in range(3))
+        if profile:
+            profiled("forward with a stats capture", lambda: captured(3))
         writer.abort()
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
     rate = cublas_rate(device)
@@ -137,7 +143,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--layers", default="2,3", help="Pro layers to time on the GPU (2 = CSA, 3 = HCA)")
-    ap.add_argument("--profile", action="store_true", help="print a torch profiler table of one warm forward")
+    ap.add_argument("--profile", action="store_true", help="print torch profiler tables of one warm forward, and of one with the stats capture")
     ap.add_argument("--backend", default="reference", help="backend of the Pro layer (default the reference)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON result")
     args = ap.parse_args()
