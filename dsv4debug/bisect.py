@@ -47,7 +47,7 @@ STAGE_OUTLIER, STAGE_OUTLIER_MIN, STAGE_OUTLIER_LAYERS = 1.25, 0.5, 3
 
 @dataclass
 class Probe:
-    what: str                        # "reference below stage k" or "reference families {...}"
+    what: str                        # "<judge> below <stage>", "<judge> for <families>", "<stage> on ..."
     candidate_stages: list[str]
     candidate_families: list[str]
     rel_l2: float
@@ -261,8 +261,9 @@ class Bisector:
             typical = statistics.median(in_floors)
             for p in layers:
                 p.tolerance = min(p.tolerance, max(STAGE_OUTLIER * typical, STAGE_OUTLIER_MIN) * p.floor)
-            how = (f"beyond {self.budget:g} floors or {STAGE_OUTLIER:g}x the layers' median of "
-                   f"{typical:.3g} floors")
+            how = f"beyond {self.budget:g} floors or {STAGE_OUTLIER:g}x the layers' median of {typical:.3g} floors"
+            if typical == 0:                                # the judge as candidate: any difference at all
+                how = f"from {self.reference_name}'s, which rounds the same way"
         else:
             how = f"beyond {self.budget:g} floors"
         for p in res.probes:
