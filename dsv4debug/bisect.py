@@ -174,9 +174,7 @@ class Bisector:
         cand = self.candidate
         if ref_families:
             cand = candidate_backend(self.candidate_name, self.reference_name, self.device, ref_families)
-        logits = self._forward(cand, below, self.faults)
-        nan = bool(torch.isnan(logits).any())
-        err = rel_l2(self.ref_logits, logits) if not nan else math.inf
+        err, nan = _error(self.ref_logits, self._forward(cand, below, self.faults))
         return self._report(Probe(what, [s.name for i, s in enumerate(self.stages) if i >= below],
                                   [f for f in FAMILIES if f not in ref_families], err, self.tolerance, nan))
 
@@ -193,8 +191,7 @@ class Bisector:
             wide = self._run_stage(Executor(hi), k, _to(inp, self.device, torch.float64), "sweep, fp64").h
             floor = max(rel_l2(wide, want.to(wide.dtype)), floor)
         modules.clear()
-        nan = bool(torch.isnan(got).any())
-        err = rel_l2(want, got) if not nan else math.inf
+        err, nan = _error(want, got)
         return Probe(f"{self.stages[k].name} on {self.reference_name}'s input", [self.stages[k].name],
                      list(FAMILIES), err, max(self.budget * floor, self.bar), nan, floor)
 
@@ -256,7 +253,7 @@ class Bisector:
         modules = ModuleCache(self.model)
         res.probes = [self._stage_probe(k, modules) for k in range(len(self.stages))]
         layers = [p for p in res.probes if p.candidate_stages[0].startswith("layers.")]
-        in_floors = sorted(p.rel_l2 / p.floor for p in layers)
+        in_floors = [p.rel_l2 / p.floor for p in layers]
         if len(in_floors) >= STAGE_OUTLIER_LAYERS:
             typical = statistics.median(in_floors)
             for p in layers:
@@ -278,6 +275,12 @@ class Bisector:
             res.message = (f"no stage on {self.reference_name}'s input differs {how} (closest: "
                            f"{worst.candidate_stages[0]}, rel L2 {worst.rel_l2:.3g} <= {worst.tolerance:.3g})")
         return res
+
+
+def _error(want: torch.Tensor, got: torch.Tensor) -> tuple[float, bool]:
+    """(rel L2 of got against want, whether got has a NaN: then the error is inf)."""
+    nan = bool(torch.isnan(got).any())
+    return (math.inf if nan else rel_l2(want, got)), nan
 
 
 def _to(state: State, device: torch.device | str, dtype: torch.dtype | None = None) -> State:

@@ -36,6 +36,7 @@ from .execute import (
 from .faults import Fault
 from .metrics import compare_fast, index_agreement
 from .model import State, stages
+from .tensorstats import tensor_stats
 from .verdict import DEFAULT_BUDGET, judge, summarize
 
 # Relative-L2 error that quantised serving numerics (FP8 activations per 1x128, NVFP4 activations per 16 for
@@ -139,16 +140,11 @@ def _first_nonfinite(t: torch.Tensor, ref: torch.Tensor | None) -> dict[str, Any
 
 
 def _tensor_stats(t: torch.Tensor) -> dict[str, Any]:
-    """NaN and Inf counts, absmax and RMS of the finite values: masked without compacting, read in one transfer
-    (every reference site gets these: one wait per site, not five)."""
-    f = t.detach().float()
-    fin = torch.isfinite(f)
-    a = torch.where(fin, f.abs(), 0.0)
-    parts = (torch.isnan(f).sum(), torch.isinf(f).sum(), fin.sum(), a.amax() if a.numel() else a.sum(),
-             a.square().sum(dtype=torch.float64))
-    nan, inf, n_fin, absmax, squares = torch.stack([p.double() for p in parts]).tolist()
-    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "nan": int(nan), "inf": int(inf),
-            "absmax": absmax if n_fin else float("nan"), "rms": math.sqrt(squares / n_fin) if n_fin else float("nan")}
+    """NaN and Inf counts, absmax and RMS of the finite values (tensorstats: one transfer, no compaction)."""
+    st = tensor_stats(t.detach())
+    n_finite = st["numel"] - st["nan_count"] - st["inf_count"]
+    return {"shape": st["shape"], "dtype": st["dtype"], "nan": st["nan_count"], "inf": st["inf_count"],
+            "absmax": st["absmax"], "rms": st["l2"] / math.sqrt(n_finite) if n_finite else float("nan")}
 
 
 def _inputs_finite(inputs: list[torch.Tensor]) -> bool:

@@ -3,8 +3,8 @@
 Two implementations produce the same per-block partial sums (PARTIALS), which `combine_blocks` turns into
 the statistics on the host: `device_stats` runs torch ops where the tensor lives (on a GPU: about 18 small
 kernels, no sync, one small tensor to move to the host), `block_stats` runs numpy on one 1-D block of a host
-tensor in a worker thread, with the GIL released. Sums are float64, so bf16 squares cannot overflow, and
-temporaries stay one block large.
+tensor in a worker thread, with the GIL released. Sums are float64, so squares cannot overflow (the host's
+bf16 blocks sum in float32 where their magnitudes rule overflow out), and temporaries stay one block large.
 """
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ def host_blocks(t: torch.Tensor) -> list[np.ndarray]:
 
 def block_stats(block: np.ndarray) -> np.ndarray:
     """PARTIALS of one block (uint16 = bf16 bits). Sums accumulate in float64 through numpy's buffered
-    casts (no float64 copy of the block); no BLAS, which would start its own threads in every worker."""
+    casts (no float64 copy of the block), or for bf16 in float32 pairwise (below); no BLAS, which would start
+    its own threads in every worker."""
     own = block.dtype == np.uint16                  # x is then this function's own float32 copy
     x = _widen_bf16(block) if own else block
     lo, hi = x.min(), x.max()                                 # NaN propagates: one pass tells all-finite
