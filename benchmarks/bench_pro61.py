@@ -175,18 +175,19 @@ def each_fault(model, ids: torch.Tensor, a: argparse.Namespace) -> dict:
     out = {}
     for spec in [None, *a.planted]:
         one = argparse.Namespace(**{**vars(a), "planted": [spec] if spec else []})
+        layer = planted_layer([spec]) if spec else None
         t0 = time.perf_counter()
         entry = {}
         if not a.each_bisect_only:
             v = run(model, ids, one, None, StageClock(a.device), lambda seconds: None).verdict
             named = named_by(v)
             entry = {"run_status": v["status"], "run_named_site": named.get("site"),
-                     "run_located": named.get("layer") == planted_layer([spec]) if spec else v["status"] == "clean"}
+                     "run_located": named.get("layer") == layer if spec else v["status"] == "clean"}
         t1 = time.perf_counter()
         axes = bisect(model, ids, a.candidate, a.bisect_axis, device=a.device,
                       faults=[parse_fault(spec)] if spec else [])
         t2 = time.perf_counter()
-        want = f"layers.{planted_layer([spec])}" if spec else None
+        want = f"layers.{layer}" if spec else None
         out[spec or "none"] = entry | {
             "run_s": t1 - t0, "bisect_s": t2 - t1, "bisect": {r.axis: bisect_summary(r) for r in axes},
             "bisect_located": {r.axis: r.culprit_stage == want for r in axes if r.axis != "ops"}}
