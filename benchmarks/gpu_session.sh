@@ -25,7 +25,7 @@ log=${OUT:-/tmp}/session.log
       attention) cmd=(python3 benchmarks/bench_attention.py --out $res/attention --deadline $((limit - 10))
                       ${phases:+--phases $phases}) ;;
       py)        cmd=(python3 $phases) ;;                  # word-split on spaces (results: /tmp/dsv4-results)
-      pytest)    cmd=(python3 -m pytest -q -p no:cacheprovider -x ${phases//,/ }) ;;
+      pytest)    cmd=(python3 -m pytest -q -p no:cacheprovider -rfE ${phases//,/ }) ;;
       *) echo "unknown step $name"; continue ;;
     esac
     timeout -k 5 "$limit" "${cmd[@]}"

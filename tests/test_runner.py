@@ -3,6 +3,7 @@
 Tiny layers: 0 SWA (hash), 1 HCA (hash), 2 CSA (hash), 3 HCA, 4 CSA, 5 SWA (score routing).
 """
 import json
+import math
 import sys
 import textwrap
 
@@ -401,3 +402,23 @@ def test_bisect_reports_progress_for_every_stage_it_runs(tiny, tokens):
     n = tiny.config.n_layers + 2
     assert {w.split(":")[0] for w, _, _ in seen} == {"judge", "fp64 floor", "probe", "sweep", "sweep, fp64"}
     assert [i for w, i, _ in seen if w.startswith("judge")] == list(range(n)) and {t for _, _, t in seen} == {n}
+
+
+@pytest.mark.parametrize("over_tolerance,culprit", [
+    # error / tolerance with the candidate on stages k.. (embed, layers.0-3, head): a KV cache never written in
+    # layer 2 of 4 Pro layers on the H200 moved the logits to 1.01x; the search tips over at layers.0 on a step
+    # of 0.25x, which is noise, not the fault
+    ([1.013, 1.013, 0.982, 0.971, 0.40, 0.05], None),
+    ([2.0, 2.0, 2.0, 2.0, 0.5, 0.1], "layers.2"),           # the step at layers.2 carries most of the error
+    ([float("inf")] * 4 + [0.9, 0.1], "layers.2"),          # a NaN: always decisive
+])
+def test_bisect_layers_names_a_culprit_only_on_a_decisive_step(tiny, tokens, monkeypatch, over_tolerance, culprit):
+    from dsv4debug.bisect import Bisector, Probe
+    b = Bisector(tiny, tokens[:16], "reference", reference="reference")
+    names = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
+    b.stages = [type(s)(n, s.layer, s.run) for n, s in zip(names, b.stages)]
+    monkeypatch.setattr(b, "_probe", lambda what, below, fams: Probe(
+        what, names[below:], [], over_tolerance[below] * 0.01, 0.01, math.isinf(over_tolerance[below])))
+    res = b.layers()
+    assert res.culprit_stage == culprit, res.message
+    assert culprit or res.message.startswith("inconclusive")

@@ -256,8 +256,7 @@ def bisect(checkpoint: Path | None = CheckpointArg,
     else:
         for r in results:
             out.print(f"[bold]{r.axis}[/]: {r.message}", highlight=False)
-    found = any(r.culprit_stage or r.culprit_families is not None for r in results)
-    raise typer.Exit(1 if found else 0)
+    raise typer.Exit(1 if any(r.diverged for r in results) else 0)
 
 
 def sites(preset: str | None = typer.Option(None, help="tiny | flash | pro (default: the checkpoint's)."),
