@@ -1,16 +1,15 @@
 """Statistics of a site's output: NaN/Inf counts, and min, max, mean, std, absmax, L2 over finite values.
 
 Two implementations produce the same per-block partial sums (PARTIALS), which `combine_blocks` turns into
-the statistics on the host: `device_stats` runs torch ops where the tensor lives (on a GPU: one compiled
-kernel, no sync, one small tensor to move to the host), `block_stats` runs numpy on one 1-D block of a host
+the statistics on the host: `device_stats` runs torch ops where the tensor lives (on a GPU: about 18 small
+kernels, no sync, one small tensor to move to the host), `block_stats` runs numpy on one 1-D block of a host
 tensor in a worker thread, with the GIL released. Sums are float64, so squares cannot overflow (the host's
 bf16 blocks sum in float32 where their magnitudes rule overflow out), and temporaries stay one block large.
 """
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,20 +26,11 @@ _F32_SQUARE_SAFE = 1e16           # |x| below it: a block's float32 sum of squar
 
 
 def device_stats(t: torch.Tensor) -> torch.Tensor:
-    """float64 [chunks, PARTIALS] computed where t lives; nothing waits. On a GPU one torch.compile'd kernel per
-    chunk (eager, the ~18 small kernels cost ~1 ms of launches a site: a stats capture of a Pro layer's 436
-    sites took 2.3x the forward on the H200); elsewhere eager torch."""
+    """float64 [chunks, PARTIALS] computed where t lives (about 18 kernels per 64M elements); nothing waits."""
     x = t.detach().reshape(-1)
     if x.numel() == 0:
         return torch.zeros(0, len(PARTIALS), dtype=torch.float64, device=x.device)
-    partials = _compiled_partials() if x.is_cuda else _device_partials
-    return torch.stack([partials(x[i:i + DEVICE_CHUNK]) for i in range(0, x.numel(), DEVICE_CHUNK)])
-
-
-@functools.cache
-def _compiled_partials() -> Callable[[torch.Tensor], torch.Tensor]:
-    """_device_partials fused by inductor, sizes dynamic: one graph per dtype (a run records about five)."""
-    return torch.compile(_device_partials, dynamic=True, fullgraph=True)
+    return torch.stack([_device_partials(x[i:i + DEVICE_CHUNK]) for i in range(0, x.numel(), DEVICE_CHUNK)])
 
 
 def _device_partials(chunk: torch.Tensor) -> torch.Tensor:
@@ -50,8 +40,7 @@ def _device_partials(chunk: torch.Tensor) -> torch.Tensor:
     finite = torch.isfinite(x)
     n_finite = finite.sum(dtype=torch.float64)
     kept = torch.where(finite, x, 0)
-    # int32, not uint8: inductor's argmin over uint8 returns garbage (torch 2.13, CPU; seen with dynamic sizes)
-    first_bad = torch.where(n_finite == x.numel(), -1, finite.to(torch.int32).argmin())
+    first_bad = torch.where(n_finite == x.numel(), -1, finite.to(torch.uint8).argmin())
     return torch.stack([x.isnan().sum(dtype=torch.float64), n_finite,
                         torch.where(finite, x, torch.inf).amin().double(),
                         torch.where(finite, x, -torch.inf).amax().double(), kept.sum(dtype=torch.float64),
