@@ -240,6 +240,8 @@ def report(res: dict) -> None:
     if "run" in steps:
         print(f"run: {steps['run']['status']} at {steps['run']['named_site']}; ops without a kernel (run by the "
               f"reference): {', '.join(steps['run']['delegated_ops'] + steps['run']['declined_calls']) or 'none'}")
+        if lc := steps["run"].get("logits_check"):
+            print(f"logits: std {lc['std']:.3g} (bar {lc['std_range']}), {lc['nan_count']} NaN, {lc['inf_count']} Inf")
     for axis in ("layers", "ops", "stages"):
         if axis in steps.get("bisect", {}):
             print(f"bisect {axis}: {steps['bisect'][axis]['message']}")
@@ -322,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
                 res.get("unfinished", {}).pop(step, None)
                 v = r.verdict
                 named = named_by(v)
-                res["steps"][step] |= {"status": v["status"], "named_site": named.get("site"),
+                res["steps"][step] |= {"status": v["status"], "logits_check": v.get("logits_check"),
+                                       "named_site": named.get("site"),
                                        "named_layer": named.get("layer"), "delegated_ops": r.delegated_ops,
                                        "declined_calls": r.declined_calls, "timings_s": r.timings,
                                        "per_stage_s": clock.seconds}

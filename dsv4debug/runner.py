@@ -104,6 +104,7 @@ class SiteResult:
     local_bar: float = 0.0                    # error the candidate's declared numerics add (quantisation)
     free_bar: float = 0.0
     nan: dict[str, dict[str, Any]] = field(default_factory=dict)   # run -> first non-finite output info
+    free_stats: dict[str, Any] | None = None  # the free candidate's output statistics (the logits only)
 
     def record(self, kind: str, budget: float) -> dict[str, Any]:
         """A verdict.py record; the quantisation bar enters as an effective floor of bar / budget."""
@@ -113,8 +114,11 @@ class SiteResult:
             floor = self.local_floor
         bar = self.local_bar if kind == "local" else max(self.free_bar, self.local_bar)
         eff = max(floor or 0.0, bar / budget)
-        return {"site": self.site, "layer": self.layer, "family": self.family, "op": self.op,
-                "metrics": metrics, "floor": {"rel_l2": eff} if eff else {}}
+        rec = {"site": self.site, "layer": self.layer, "family": self.family, "op": self.op,
+               "metrics": metrics, "floor": {"rel_l2": eff} if eff else {}}
+        if kind == "free" and self.free_stats:
+            rec["stats"] = self.free_stats
+        return rec
 
     def judge(self, kind: str, budget: float) -> dict[str, Any] | None:
         return judge(self.record(kind, budget), budget)
@@ -244,6 +248,8 @@ class Comparator:
             return
         if kind in ("local", "free"):
             self._note_nan(r, ev, out, ev.run, self.ref_out[site])
+        if kind == "free" and site == "logits":        # the seeds' bar: finite, with a plausible spread
+            r.free_stats = tensor_stats(out.detach())
         ref, cand = self._aligned(site, ev.run, self.ref_out[site], out)
         if ref is None:
             return
@@ -340,7 +346,7 @@ class RunResult:
 
     @property
     def diverged(self) -> bool:
-        return self.verdict["status"] in ("nan", "diverged")
+        return self.verdict["status"] in ("nan", "diverged", "garbage-logits")
 
 
 def _verdict(results: list[SiteResult], candidate_runs: list[str], budget: float) -> dict[str, Any]:

@@ -87,6 +87,12 @@ def test_sim_without_fault_stays_within_floors(tiny, tokens):
     assert max(r.judge("local", 8.0)["x_floor"] for r in linear) > 1.5    # quantisation is visible in x floor
 
 
+def test_run_checks_the_candidates_logits_spread(tiny, tokens):
+    v = dd.run(tiny, tokens, candidate="sim").verdict
+    assert v["logits_check"]["ok"] and 0.5 <= v["logits_check"]["std"] <= 50, v["logits_check"]
+    assert dd.run(tiny, tokens, candidate="sim", layers="0:2").verdict["logits_check"] is None   # no head run
+
+
 def test_reference_against_itself_is_bitwise_clean(tiny, tokens):
     result = dd.run(tiny, tokens[:64], candidate="reference")
     assert not result.diverged

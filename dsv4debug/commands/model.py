@@ -58,7 +58,8 @@ def _fmt(x: Any, digits: int = 3) -> str:
 
 def _print_verdict(result) -> None:
     v = result.verdict
-    colour = {"clean": "green", "diverged": "red", "nan": "bold red"}.get(v["status"], "yellow")
+    colour = {"clean": "green", "diverged": "red", "nan": "bold red",
+              "garbage-logits": "bold red"}.get(v["status"], "yellow")
     out.print(f"[{colour}]{v['status'].upper()}[/]: {v['message']}", highlight=False)
     asked = [op for op in result.delegated_ops if op not in result.missing_ops]
     lacking = result.missing_ops + result.declined_calls
