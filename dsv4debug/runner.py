@@ -37,7 +37,7 @@ from .faults import Fault
 from .metrics import compare_fast, index_agreement
 from .model import State, stages
 from .tensorstats import tensor_stats
-from .verdict import DEFAULT_BUDGET, judge, summarize
+from .verdict import DEFAULT_BUDGET, judge, logits_check, summarize, with_logits_check
 
 # Relative-L2 error that quantised serving numerics (FP8 activations per 1x128, NVFP4 activations per 16 for
 # experts) are expected to add, per op family: e4m3 keeps 4 significant bits (relative rounding error
@@ -114,11 +114,8 @@ class SiteResult:
             floor = self.local_floor
         bar = self.local_bar if kind == "local" else max(self.free_bar, self.local_bar)
         eff = max(floor or 0.0, bar / budget)
-        rec = {"site": self.site, "layer": self.layer, "family": self.family, "op": self.op,
-               "metrics": metrics, "floor": {"rel_l2": eff} if eff else {}}
-        if kind == "free" and self.free_stats:
-            rec["stats"] = self.free_stats
-        return rec
+        return {"site": self.site, "layer": self.layer, "family": self.family, "op": self.op,
+                "metrics": metrics, "floor": {"rel_l2": eff} if eff else {}}
 
     def judge(self, kind: str, budget: float) -> dict[str, Any] | None:
         return judge(self.record(kind, budget), budget)
@@ -359,13 +356,14 @@ def _verdict(results: list[SiteResult], candidate_runs: list[str], budget: float
             break
     free = [r.record("free", budget) for r in results if r.free is not None]
     local = [r.record("local", budget) for r in results if r.local is not None]
-    v = summarize(free, local, budget)
+    v = summarize(free, local, budget)   # NaN origins come from the live checks below, not from statistics
     v["nan_origin"] = nan_origin
     if nan_origin:
         v["status"] = "nan"
         v["message"] = (f"NaN/Inf first produced by {nan_origin['site']} ({nan_origin['run']}) "
                         f"from finite inputs; " + v["message"])
-    return v
+    logits = next((r.free_stats for r in results if r.site == "logits" and r.free_stats), None)
+    return with_logits_check(v, logits_check([{"site": "logits", "stats": logits}]) if logits else None)
 
 
 def parse_layers(text: str | None, cfg: ModelConfig) -> range | None:

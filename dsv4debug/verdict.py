@@ -115,15 +115,24 @@ def summarize(records: Sequence[Record], forced_records: Sequence[Record] | None
     bug = first_divergence(forced_records, budget) if forced_records else None
     has_metrics = any(rec.get("metrics") for rec in [*records, *(forced_records or [])])
     status = "nan" if origin else "diverged" if (symptom or bug) else "clean" if has_metrics else "no-reference"
-    logits = logits_check(records)
-    if logits and not logits["ok"] and status in ("clean", "no-reference"):
-        status = "garbage-logits"      # within floors of a reference that is itself garbage, or unjudged
-    return {"status": status, "budget": budget, "nan_origin": origin, "first_divergence": symptom,
-            "first_local_divergence": bug, "gain": _gain(symptom, bug),
-            "worst": worst_sites(records, n_worst, budget),
-            "worst_local": worst_sites(forced_records or [], n_worst, budget),
-            "logits_check": logits,
-            "message": _message(status, origin, symptom, bug, logits)}
+    verdict = {"status": status, "budget": budget, "nan_origin": origin, "first_divergence": symptom,
+               "first_local_divergence": bug, "gain": _gain(symptom, bug),
+               "worst": worst_sites(records, n_worst, budget),
+               "worst_local": worst_sites(forced_records or [], n_worst, budget),
+               "message": _message(status, origin, symptom, bug)}
+    return with_logits_check(verdict, logits_check(records))
+
+
+def with_logits_check(verdict: dict[str, Any], logits: dict[str, Any] | None) -> dict[str, Any]:
+    """The verdict with its logits check; one that is clean (or unjudged) but whose logits fail the check
+    becomes garbage-logits: within the floors of a reference as broken as its candidate, or never compared."""
+    verdict["logits_check"] = logits
+    if logits and not logits["ok"] and verdict["status"] in ("clean", "no-reference"):
+        verdict["status"] = "garbage-logits"
+        verdict["message"] = (f"the logits look like garbage: std {logits['std']:.3g} outside "
+                              f"{logits['std_range']}, {logits['nan_count']} NaN, {logits['inf_count']} Inf; "
+                              + verdict["message"])
+    return verdict
 
 
 def logits_check(records: Sequence[Record]) -> dict[str, Any] | None:
@@ -145,13 +154,9 @@ def _gain(symptom: Mapping[str, Any] | None, bug: Mapping[str, Any] | None) -> f
     return symptom["x_floor"] / bug["x_floor"]
 
 
-def _message(status: str, origin, symptom, bug, logits=None) -> str:
+def _message(status: str, origin, symptom, bug) -> str:
     if status == "nan":
         return f"NaN/Inf first produced by {origin['site']} from finite inputs"
-    if status == "garbage-logits":
-        return (f"every site within its noise-floor budget, but the logits look like garbage: std "
-                f"{logits['std']:.3g} outside {logits['std_range']}, {logits['nan_count']} NaN, "
-                f"{logits['inf_count']} Inf")
     if status == "no-reference":
         return "no metrics against a reference: only statistics were judged (no NaN/Inf found)"
     if status == "clean":

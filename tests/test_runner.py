@@ -91,6 +91,9 @@ def test_run_checks_the_candidates_logits_spread(tiny, tokens):
     v = dd.run(tiny, tokens, candidate="sim").verdict
     assert v["logits_check"]["ok"] and 0.5 <= v["logits_check"]["std"] <= 50, v["logits_check"]
     assert dd.run(tiny, tokens, candidate="sim", layers="0:2").verdict["logits_check"] is None   # no head run
+    nan = dd.run(tiny, tokens, candidate="sim", inject=["nan@layers.2.ffn.experts.3"]).verdict
+    assert nan["status"] == "nan" and not nan["logits_check"]["ok"]
+    assert nan["message"].count("first produced by") == 1, nan["message"]     # one origin, not the logits too
 
 
 def test_reference_against_itself_is_bitwise_clean(tiny, tokens):

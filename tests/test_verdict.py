@@ -119,5 +119,5 @@ def test_logits_check_flags_garbage():
     assert summarize([])["logits_check"] is None
     # garbage is never a success, even within every floor (a reference as broken as its candidate)
     flat = summarize([dict(with_logits(0.01)[0], metrics={"rel_l2": 0.001}, floor={"rel_l2": 0.002})])
-    assert flat["status"] == "garbage-logits" and "std 0.01 outside" in flat["message"]
+    assert flat["status"] == "garbage-logits" and "std 0.01 outside" in flat["message"], flat["message"]
     assert summarize(with_logits(3.0, nan=2))["status"] == "nan"          # NaN outranks it
