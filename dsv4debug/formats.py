@@ -156,10 +156,17 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mxfp4_dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """W[r, c] = E2M1[nibble(r, c)] * 2^(scale[r, c//32] - 127), float32 [out, in]."""
-    values = e2m1_decode(w)                                            # [out, in]
-    out, inp = values.shape
-    blocks = values.view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK) * e8m0_float(scale)[..., None]
-    return blocks.view(out, inp)
+    return _scaled_blocks(w, e8m0_float(scale), MXFP4_BLOCK)
+
+
+def _scaled_blocks(w: torch.Tensor, block_scale: torch.Tensor, block: int) -> torch.Tensor:
+    """Packed E2M1 [out, in/2] times one float32 scale per `block` values -> float32 [out, in], laid out as
+    [blocks, block] so that a compiled kernel's index math divides by constants only. With [out, in] (dynamic
+    sizes) it divided by both for every element: the likely reason the fused MXFP4 dequantisation ran at
+    ~210 GB/s on the H200 (262 us per [3072, 7168] expert matrix; not re-measured since)."""
+    out, half = w.shape
+    values = e2m1_decode(w.reshape(-1, block // 2))                    # [out*in/block, block]
+    return (values * block_scale.reshape(-1, 1)).view(out, 2 * half)
 
 
 # ---- NVFP4: E2M1 with an e4m3 scale per 16 and an fp32 global scale ---------------------------------------
@@ -186,10 +193,7 @@ def nvfp4_quantize(w: torch.Tensor, scale_2: float | torch.Tensor | None = None
 
 def nvfp4_dequantize(w: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
     """W[r, c] = E2M1[nibble(r, c)] * float(weight_scale[r, c//16]) * weight_scale_2, float32 [out, in]."""
-    values = e2m1_decode(w)
-    out, inp = values.shape
-    block_scale = weight_scale.float() * weight_scale_2.float()        # [out, in/16]
-    return (values.view(out, inp // NVFP4_BLOCK, NVFP4_BLOCK) * block_scale[..., None]).view(out, inp)
+    return _scaled_blocks(w, weight_scale.float() * weight_scale_2.float(), NVFP4_BLOCK)
 
 
 NVFP4Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
