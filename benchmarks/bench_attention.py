@@ -40,21 +40,6 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def env_info() -> dict:
-    import torch
-    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": sys.version.split()[0],
-            "torch": torch.__version__, "cuda": torch.version.cuda}
-    try:
-        from importlib.metadata import version
-        info["cutedsl"] = version("nvidia-cutlass-dsl")
-    except Exception:                                   # noqa: BLE001
-        info["cutedsl"] = "unknown"
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2 ** 30, 1))
-    return info
-
-
 _PARTIAL: dict = {"file": None, "items": []}          # every finished item, on disk at once (timeouts keep them)
 
 
@@ -198,7 +183,8 @@ RUNNERS = {"smoke": phase_smoke, "check": phase_check, "bench": phase_bench, "py
 def run_phase(name: str, out: Path) -> dict:
     import torch
     torch.set_grad_enabled(False)
-    res = {"phase": name, "env": env_info()}
+    from dsv4_kernels.check import environment
+    res = {"phase": name, "env": environment()}
     _PARTIAL["file"] = out / f"{name}.partial.json"
     t0 = time.perf_counter()
     try:

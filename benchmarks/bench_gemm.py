@@ -32,27 +32,6 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def env_info() -> dict:
-    import torch
-    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": sys.version.split()[0], "torch": torch.__version__,
-            "cuda": torch.version.cuda}
-    try:
-        from importlib.metadata import version
-        info["cutedsl"] = version("nvidia-cutlass-dsl")
-    except Exception:                                   # noqa: BLE001
-        import cutlass
-        info["cutedsl"] = getattr(cutlass, "__version__", "unknown")
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2 ** 30, 1))
-        try:
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True, timeout=20, check=False).stdout.strip()
-        except Exception as e:                          # noqa: BLE001
-            info["driver"] = f"unknown ({e})"
-    return info
-
-
 # --------------------------------------------------------------------------------------------------------
 # Phases
 # --------------------------------------------------------------------------------------------------------
@@ -221,7 +200,8 @@ def run_phase(name: str, out: Path) -> None:
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.perf_counter()
-    res = {"phase": name, "env": env_info()}
+    from dsv4_kernels.check import environment
+    res = {"phase": name, "env": environment()}
     res |= {"smoke": phase_smoke, "check": phase_check, "bench": phase_bench, "moe": phase_moe}[name]()
     res["seconds"] = round(time.perf_counter() - t0, 1)
     (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))

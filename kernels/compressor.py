@@ -31,11 +31,11 @@ from __future__ import annotations
 import math
 
 import cutlass
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, cute, pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from ._common import BOTH, KernelDef, bits_f32, f32_bits, fake_ptr, fake_stream, register
+from ._tma_gemm import TmaOperandsAB
 
 POSTS = ("none", "fp8", "hadamard", "hadamard_fp4")
 
@@ -342,7 +342,7 @@ class IndexerQ(CompressPool):
             cute.autovec_copy(out, mO[None, j, row])
 
 
-class Bf16GemmF32:
+class Bf16GemmF32(TmaOperandsAB):
     """y fp32 [M, N] = x bf16 [M, K] @ w bf16 [N, K]^T, fp32 accumulation (sm_90a): the compressor's kv / gate
     projections, which DeepSeek runs in fp32 on bf16-valued operands (every product is exact in fp32, so
     only the summation order differs from x.float() @ w.float().T). TMA tiles 128 x 128 x 64, a producer warp
@@ -362,26 +362,7 @@ class Bf16GemmF32:
         mA = cute.make_tensor(x_ptr, cute.make_layout((m, kk), stride=(kk, 1)))
         mB = cute.make_tensor(w_ptr, cute.make_layout((nn, kk), stride=(kk, 1)))
         mY = cute.make_tensor(y_ptr, cute.make_layout((m, nn), stride=(nn, 1)))
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, BFloat16, self.tile_k), BFloat16)
-        sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
-        sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
-        tma_a, mA_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
-                                                    cute.slice_(sA_layout, (None, None, 0)), (self.tile_m, self.tile_k))
-        tma_b, mB_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
-                                                    cute.slice_(sB_layout, (None, None, 0)), (self.tile_n, self.tile_k))
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, (2, 1, 1),
-            tiler_mn=(64, self.tile_n))
-
-        @cute.struct
-        class Storage:
-            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sA_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
-
-        self.storage = Storage
-        self.tx_bytes = (self.tile_m + self.tile_n) * self.tile_k * 2
+        tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout = self.tma_operands(BFloat16, mA, mB)
         self.kernel(tma_a, mA_tma, tma_b, mB_tma, mY, tiled_mma, sA_layout, sB_layout, m, k).launch(
             grid=[n // self.tile_n, cute.ceil_div(m, self.tile_m), 1], block=[self.threads, 1, 1],
             min_blocks_per_mp=1, stream=stream)
@@ -395,36 +376,11 @@ class Bf16GemmF32:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         k_tiles = k // self.tile_k
-        smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(self.storage)
-        sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-        sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=st.bars.data_ptr(), num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
-            tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (by, None))
-        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (bx, None))
-        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                                           cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                           cute.group_modes(gB, 0, 2))
+        pipe, sA, sB, loads = self.operand_pipeline(tma_a, mA, tma_b, mB, sA_layout, sB_layout, bx, by)
         if warp < 4:
             cute.arch.setmaxregister_decrease(40)
             if warp == 0:
-                if lane == 0:
-                    cpasync.prefetch_descriptor(tma_a)
-                    cpasync.prefetch_descriptor(tma_b)
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                for kt in cutlass.range(k_tiles, unroll=1):
-                    pipe.producer_acquire(state)
-                    bar = pipe.producer_get_barrier(state)
-                    cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                    pipe.producer_commit(state)
-                    state.advance()
-                pipe.producer_tail(state)
+                self.produce(pipe, loads, k_tiles, lane)
         else:
             cute.arch.setmaxregister_increase(232)
             ctid = tidx - 128

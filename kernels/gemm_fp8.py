@@ -15,11 +15,11 @@ y[m, n] = sum_kb sa[kb, m] * sb[n / 128, kb] * sum_{k in block kb} xq[m, k] * wq
 from __future__ import annotations
 
 import cutlass
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, cute, pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from ._common import KernelDef, bits_f32, f32_bits, fake_ptr, fake_stream, register
+from ._tma_gemm import TmaOperandsAB
 
 SM90 = ("sm_90a",)
 SMEM_BYTES = 227 * 1024
@@ -99,7 +99,7 @@ register(KernelDef("fp8_act_quant", "linear", ("sm_90a", "sm_100a"), _build_quan
 # Block-scaled GEMM
 # --------------------------------------------------------------------------------------------------------
 
-class Fp8BlockGemm:
+class Fp8BlockGemm(TmaOperandsAB):
     """xq e4m3 [M, K] (K-major), w e4m3 [N, K] (K-major), sa fp32 [K/128, M], sb fp32 [N/128, K/128] -> y bf16."""
     threads = 384
 
@@ -120,29 +120,7 @@ class Fp8BlockGemm:
         mSB = cute.make_tensor(sb_ptr, cute.make_layout((n // 128, kb), stride=(kb, 1)))
         mY = cute.make_tensor(y_ptr, cute.make_layout((m, n), stride=(n, 1)))
 
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, Float8E4M3FN, self.tile_k),
-            Float8E4M3FN)
-        sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
-        sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
-        tma_a, mA_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
-                                                    cute.slice_(sA_layout, (None, None, 0)),
-                                                    (self.tile_m, self.tile_k))
-        tma_b, mB_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
-                                                    cute.slice_(sB_layout, (None, None, 0)),
-                                                    (self.tile_n, self.tile_k))
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            Float8E4M3FN, Float8E4M3FN, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
-            (2, 1, 1), tiler_mn=(64, self.tile_n))
-
-        @cute.struct
-        class Storage:
-            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sA_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sB_layout)], 1024]
-
-        self.storage = Storage
-        self.tx_bytes = (self.tile_m + self.tile_n) * self.tile_k
+        tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout = self.tma_operands(Float8E4M3FN, mA, mB)
         # grid: x over N tiles (consecutive CTAs share the activation tile), y over M tiles
         self.kernel(tma_a, mA_tma, tma_b, mB_tma, mSA, mSB, mY, tiled_mma, sA_layout, sB_layout, m, n, k).launch(
             grid=[n // self.tile_n, cute.ceil_div(m, self.tile_m), 1], block=[self.threads, 1, 1],
@@ -157,39 +135,12 @@ class Fp8BlockGemm:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         k_tiles = k // self.tile_k
-
-        smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(self.storage)
-        sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-        sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=st.bars.data_ptr(), num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
-            tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-
-        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (by, None))
-        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (bx, None))
-        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                                           cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                           cute.group_modes(gB, 0, 2))
+        pipe, sA, sB, loads = self.operand_pipeline(tma_a, mA, tma_b, mB, sA_layout, sB_layout, bx, by)
 
         if warp < 4:
             cute.arch.setmaxregister_decrease(40)
             if warp == 0:
-                if lane == 0:
-                    cpasync.prefetch_descriptor(tma_a)
-                    cpasync.prefetch_descriptor(tma_b)
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                for kt in cutlass.range(k_tiles, unroll=1):
-                    pipe.producer_acquire(state)
-                    bar = pipe.producer_get_barrier(state)
-                    cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                    pipe.producer_commit(state)
-                    state.advance()
-                pipe.producer_tail(state)
+                self.produce(pipe, loads, k_tiles, lane)
         else:
             cute.arch.setmaxregister_increase(232)
             ctid = tidx - 128

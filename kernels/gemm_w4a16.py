@@ -39,6 +39,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.experimental import primitives as prims
 
 from ._common import KernelDef, fake_ptr, fake_stream, register
+from ._tma_gemm import tma_pipeline
 
 SM90 = ("sm_90a",)
 SMEM_BYTES = 227 * 1024
@@ -211,11 +212,7 @@ class W4A16Gemm:
                                                    stride=(1, 2, 16, CHUNK_SBYTES // 4,
                                                            self.chunks * CHUNK_SBYTES // 4,
                                                            2 * self.chunks * CHUNK_SBYTES // 4)))
-            pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=st.bars.data_ptr(), num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
-                tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+            pipe = tma_pipeline(st.bars, self.stages, self.tx_bytes)
 
             gX = cute.local_tile(cute.domain_offset((row0, c_begin * 64), mX), (self.n_cta, self.tile_k), (0, None))
             tBsB, tBgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),

@@ -232,13 +232,7 @@ class SparseAttn:
                     rs = j % self.raw_stages
                     for p in cutlass.range_constexpr(self.passes):
                         row = p * rpp + r_in
-                        col = col0 + row
-                        v = Int32(-1)
-                        if col < K:
-                            v = mIdx[tok, col]
-                        in_a = v < n_a
-                        slot = cutlass.select_(in_a, v, v - n_a)
-                        ok = v >= 0 and (in_a or slot < n_b)
+                        in_a, slot, ok = self.source_row(mIdx, tok, col0 + row, K, n_a, n_b)
                         if u == 0:
                             sRowIdx[row, rs] = cutlass.select_(ok, Int32(1), Int32(0))
                         if ok:
@@ -260,13 +254,7 @@ class SparseAttn:
                     acquire_state.advance()
                     for p in cutlass.range_constexpr(self.passes):
                         row = p * rpp + r_in
-                        col = col0 + row
-                        v = Int32(-1)
-                        if col < K:
-                            v = mIdx[tok, col]
-                        in_a = v < n_a
-                        slot = cutlass.select_(in_a, v, v - n_a)
-                        ok = v >= 0 and (in_a or slot < n_b)
+                        in_a, slot, ok = self.source_row(mIdx, tok, col0 + row, K, n_a, n_b)
                         if u == 0:
                             sValid[row, ks] = cutlass.select_(ok, Int32(1), Int32(0))
                         dstt = tKVsKV[None, p, 0, ks]
@@ -324,6 +312,18 @@ class SparseAttn:
             cute.arch.fence_proxy("async.shared", space="cta")
 
     # ----------------------------------------------------------------------------------------------------
+    @cute.jit
+    def source_row(self, mIdx: cute.Tensor, tok: Int32, col: Int32, K: Int32, n_a: Int32, n_b: Int32):
+        """Where index column `col` of token `tok` points: (in the first source, its row there, whether it names
+        a row at all: -1, columns past K and rows past the second source's n_b are skipped)."""
+        v = Int32(-1)
+        if col < K:
+            v = mIdx[tok, col]
+        in_a = v < n_a
+        slot = cutlass.select_(in_a, v, v - n_a)
+        ok = v >= 0 and (in_a or slot < n_b)
+        return in_a, slot, ok
+
     @cute.jit
     def consumer(self, st, mSink: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, sQ: cute.Tensor,
                  sKV: cute.Tensor, sValid: cute.Tensor, pipe, tiled_mma_qk: cute.TiledMma,

@@ -531,7 +531,7 @@ def test_bench_script_dry_run_on_cpu(torch_attn_kernels, monkeypatch, tmp_path):
     monkeypatch.setattr(C, "time_fn", timer)
     monkeypatch.setattr(C, "device_peaks", lambda: {"cublas_bf16_tflops": 700.0, "copy_gbps": 4300.0,
                                                     "spec_bf16_dense_tflops": 989.4})
-    monkeypatch.setattr(B, "env_info", lambda: {"dry_run": True})
+    monkeypatch.setattr("dsv4_kernels.check.environment", lambda: {"dry_run": True})
     monkeypatch.setattr("dsv4_kernels._common.compile_kernel", lambda *a, **k: True)
     monkeypatch.setattr(C, "single_key_probe", lambda *a, **k: {"passed": True, "dry_run": True})
     for phase in ("smoke", "check", "bench"):

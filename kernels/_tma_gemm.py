@@ -1,0 +1,90 @@
+"""The skeleton the dense sm_90a GEMMs share: two K-major operands A [M, K] and B [N, K] in TMA tiles through a
+shared-memory pipeline, one producer warp (warp 0 of warpgroup 0, registers given away) feeding two consumer
+warpgroups of 64 rows each (WGMMA m64nNk16). A kernel class sets tile_m, tile_n, tile_k and stages, calls
+`tma_operands` in its host launcher and `operand_pipeline` then `produce` in its kernel, and writes its own
+consumer loop and epilogue (plain fp32 accumulation in compressor.py, per-block scale promotion in gemm_fp8.py).
+(No `from __future__ import annotations` here: cute.struct reads the Storage annotations as objects.)
+"""
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, cute, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+CONSUMER_WARPS = 8          # two warpgroups
+
+
+def tma_pipeline(barriers, stages: int, tx_bytes: int):
+    """The TMA -> consumers pipeline over `stages` buffers: one producer thread, the consumer warps' threads."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers.data_ptr(), num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WARPS),
+        tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+
+
+class TmaOperandsAB:
+    """Host side and kernel prologue of a GEMM whose A and B both stream through TMA (see the module doc)."""
+    tile_m: int
+    tile_n: int
+    tile_k: int
+    stages: int
+
+    def tma_operands(self, dtype, mA: cute.Tensor, mB: cute.Tensor):
+        """(tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout) for operands of `dtype` with fp32
+        accumulation; sets self.storage (barriers, swizzled A and B stages) and self.tx_bytes (a stage)."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dtype, self.tile_k), dtype)
+        sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
+        sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
+        tma_a, mA_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
+                                                    cute.slice_(sA_layout, (None, None, 0)),
+                                                    (self.tile_m, self.tile_k))
+        tma_b, mB_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
+                                                    cute.slice_(sB_layout, (None, None, 0)),
+                                                    (self.tile_n, self.tile_k))
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, (2, 1, 1),
+            tiler_mn=(64, self.tile_n))
+
+        @cute.struct
+        class Storage:
+            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout)], 1024]
+
+        self.storage = Storage
+        self.tx_bytes = (self.tile_m + self.tile_n) * self.tile_k * dtype.width // 8
+        return tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout
+
+    def operand_pipeline(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+                         sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, bx, by):
+        """In the kernel: (pipe, sA, sB, loads), the A tiles of row block `by` and the B tiles of column block
+        `bx` partitioned for the producer (`loads`, for `produce`)."""
+        st = cutlass.memory.SmemAllocator().allocate(self.storage)
+        sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        pipe = tma_pipeline(st.bars, self.stages, self.tx_bytes)
+        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (by, None))
+        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (bx, None))
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                           cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))
+        return pipe, sA, sB, (tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
+
+    @cute.jit
+    def produce(self, pipe, loads, k_tiles, lane):
+        """The producer warp: both operands' k-tiles into the pipeline's stages, in order."""
+        tma_a, tAgA, tAsA, tma_b, tBgB, tBsB = loads
+        if lane == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for kt in cutlass.range(k_tiles, unroll=1):
+            pipe.producer_acquire(state)
+            bar = pipe.producer_get_barrier(state)
+            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+            pipe.producer_commit(state)
+            state.advance()
+        pipe.producer_tail(state)
