@@ -54,6 +54,27 @@ def test_cli_compile_json(capsys):
     assert all(r["arch"] == "sm_90a" and r["seconds"] > 0 for r in doc["rows"])
 
 
+def test_cli_compile_writes_each_configs_ptx_and_never_overwrites(tmp_path, capsys):
+    """--ptx: one file per (kernel, config, arch) holding that config's PTX (the same bytes from two compiles,
+    so a diff of two trees' directories shows only real changes); a directory with files in it is refused."""
+    from dsv4debug.cli import main
+    out = tmp_path / "ptx"
+    args = ["kernels", "compile", "--json", "--kernel", "rmsnorm", "--subset", "ci", "--arch", "sm_90a"]
+    for d in (out, tmp_path / "again"):
+        with pytest.raises(SystemExit) as e:
+            main([*args, "--ptx", str(d)])
+        assert e.value.code == 0
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["rmsnorm-n=512,weighted=False.sm_90a.ptx", "rmsnorm-n=7168,weighted=True.sm_90a.ptx"]
+    for name in files:
+        text = (out / name).read_text()
+        assert ".target sm_90a" in text and text == (tmp_path / "again" / name).read_text()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--ptx", str(out)])
+    assert e.value.code == 2 and "not an empty directory" in capsys.readouterr().err
+
+
 def test_cli_compile_rejects_unknown_arch(capsys):
     from dsv4debug.cli import main
     with pytest.raises(SystemExit) as e:

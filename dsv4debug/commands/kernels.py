@@ -33,6 +33,10 @@ def compile_cmd(arch: Annotated[str, typer.Option(help="comma-separated targets"
                 subset: Annotated[str, typer.Option(help="all: every declared configuration; ci: one or two "
                                                     "representative configurations per kernel")] = "all",
                 kernel: Annotated[list[str] | None, typer.Option(help="only these kernels (repeatable)")] = None,
+                ptx: Annotated[Path | None, typer.Option(
+                    help="also write each config's PTX into this new (or empty) directory, one compile process "
+                         "per config: `diff -r` two trees' directories to see whether a change alters a kernel")]
+                = None,
                 as_json: JsonOpt = False) -> None:
     """Compile every kernel for each target arch on this machine (no GPU: CUTE_DSL_ARCH-style targets, fake
     tensors). Exit 1 when any compile fails."""
@@ -50,6 +54,10 @@ def compile_cmd(arch: Annotated[str, typer.Option(help="comma-separated targets"
     unknown = [k for k in (kernel or []) if k not in reg]
     if unknown:
         raise BadInput(f"unknown kernel(s) {', '.join(unknown)}; known: {', '.join(reg)}")
+    if ptx is not None:
+        if ptx.exists() and (not ptx.is_dir() or any(ptx.iterdir())):
+            raise BadInput(f"--ptx {ptx}: not an empty directory (PTX files are never overwritten)")
+        ptx.mkdir(parents=True, exist_ok=True)
 
     def progress(i: int, n: int, row: dict) -> None:
         if not as_json:
@@ -58,7 +66,7 @@ def compile_cmd(arch: Annotated[str, typer.Option(help="comma-separated targets"
 
     import time
     t0 = time.perf_counter()
-    rows = compile_all(archs, subset, kernel, progress)
+    rows = compile_all(archs, subset, kernel, progress, ptx)
     total = time.perf_counter() - t0
     ok = all(r["ok"] for r in rows)
     if as_json:
