@@ -47,7 +47,7 @@ from .tensorstats import (
     STAT_KEYS,
     block_stats,
     combine_blocks,
-    device_stats,
+    device_blocks,
     dtype_name,
     host_blocks,
     stats_dict,
@@ -254,6 +254,7 @@ class _SiteJob:
     token_slice: tuple[int, int] | None
     nbytes: int                         # host bytes held until written
     device_values: torch.Tensor | None = None   # GPU: pinned device_stats partials, valid once `ready` fired
+    device_block: int = DEVICE_CHUNK            # elements per row of device_values
     ready: Any = None                            # torch.cuda.Event
     host_parts: list[Future] = field(default_factory=list)   # CPU: block_stats futures
 
@@ -261,7 +262,7 @@ class _SiteJob:
         numel = int(np.prod(self.shape))
         if self.device_values is not None:
             self.ready.synchronize()
-            return combine_blocks(list(self.device_values.numpy()), numel, DEVICE_CHUNK)
+            return combine_blocks(list(self.device_values.numpy()), numel, self.device_block)
         return combine_blocks([part.result() for part in self.host_parts], numel, HOST_BLOCK)
 
 
@@ -295,8 +296,9 @@ class CaptureWriter:
 
     def __init__(self, path: str | Path, meta: Mapping[str, Any], policy: SavePolicy | str = "stats",
                  force: bool = False, compression: str = "fast", workers: int | None = None,
-                 max_pending_bytes: int = 2 << 30):
+                 max_pending_bytes: int = 2 << 30, stats_kernel: bool = False):
         self.path = Path(path)
+        self.stats_kernel = stats_kernel     # GPU site statistics by the site_stats kernel (one launch a site)
         self.tmp_path = self.path.with_name(self.path.name + TMP_SUFFIX)
         self.policy = as_policy(policy)
         if compression not in COMPRESSIONS:
@@ -422,7 +424,8 @@ class CaptureWriter:
         job = _SiteJob(run, row, tensor.dtype, shape, None, token_slice, 0)
         source = tensor.detach()
         if tensor.is_cuda:
-            job.device_values = _pinned_copy(device_stats(source))
+            rows, job.device_block = device_blocks(source, self.stats_kernel)
+            job.device_values = _pinned_copy(rows)
             job.data = _pinned_copy(_rows_of(source, token_slice)) if store else None
             job.ready = torch.cuda.Event()
             job.ready.record()

@@ -33,6 +33,20 @@ def device_stats(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([_device_partials(x[i:i + DEVICE_CHUNK]) for i in range(0, x.numel(), DEVICE_CHUNK)])
 
 
+def device_blocks(t: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, int]:
+    """(PARTIALS rows, elements per row) computed where t lives: device_stats, or with `kernel` the one-launch
+    CuTeDSL site_stats kernel where it takes t (contiguous bf16/fp32 CUDA tensors of whole 16-byte vectors;
+    needs nvidia-cutlass-dsl). The kernel is the GPU capture's option while its speed is measured."""
+    if kernel and t.is_cuda:
+        try:
+            from dsv4_kernels import stats
+        except ImportError as e:
+            raise RuntimeError(f"the site_stats kernel needs CuTeDSL (pip install -e '.[gpu]'): {e}") from None
+        if stats.supports(t.detach()):
+            return stats.site_stats(t.detach())
+    return device_stats(t), DEVICE_CHUNK
+
+
 def _device_partials(chunk: torch.Tensor) -> torch.Tensor:
     """PARTIALS of one chunk, read in its own dtype (bf16 stays 2 bytes an element; no float64 copy): the sums
     accumulate in float64 inside the reductions. Integers, bools and 1-byte floats (no Inf) are widened."""

@@ -8,12 +8,14 @@
     sparse_attn  MQA sparse attention with sinks over gathered FP8-cache / bf16 rows (WGMMA, sm_90a)
     indexer    lightning indexer scores (WGMMA, sm_90a) and causal top-k (radix select)
     compressor KV compressor pooling (ratio 4 overlapping / 128), RMSNorm, RoPE, FP8 or Hadamard + FP4 QAT
+    stats      a capture site's statistics (NaN/Inf counts, extremes, sums) in one launch
 
 Each module registers its kernels (name, family, target archs, representative configurations) in
 `_common.REGISTRY` and has torch-facing launchers. `compile.compile_all` compiles them without a GPU.
 Importing this package does not import CuTeDSL; importing a family module does.
 """
-FAMILY_MODULES = ("norm", "rope", "nvfp4", "kv_cache", "mhc", "gemm_fp8", "gemm_w4a16", "sparse_attn", "indexer", "compressor")
+FAMILY_MODULES = ("norm", "rope", "nvfp4", "kv_cache", "mhc", "gemm_fp8", "gemm_w4a16", "sparse_attn", "indexer", "compressor",
+                  "stats")
 
 
 def load_all():

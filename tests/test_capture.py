@@ -458,3 +458,33 @@ def test_device_and_host_statistics_agree(dtype, monkeypatch):
     # sums: float64 on both sides, except the host's bf16 blocks (float32 pairwise sums, ~1e-7 log2 n)
     rel = 1e-6 if dtype == torch.bfloat16 else 1e-12
     assert [device[i] for i in (4, 5, 7)] == pytest.approx([host[i] for i in (4, 5, 7)], rel=rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_site_stats_kernel_equals_eager_statistics(dtype, tmp_path):
+    """The one-launch site_stats kernel (a GPU capture's option) gives the eager device statistics: counts,
+    extremes, absmax and the first non-finite element exactly, sums to float64 rounding; sizes of one partial
+    CTA, several CTAs and a ragged last one; NaN/Inf anywhere, or none; and through the writer."""
+    from dsv4debug import tensorstats as ts
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for n, bad in ((64, (3,)), (7 * 40960, (0, 9999, 286719)), (3 * 32768 + 8 * 300, ()), (4096, range(4096))):
+        x = torch.randn(n, device="cuda", generator=g) * 3
+        for i, v in zip(bad, [float("nan"), float("inf"), -float("inf")] * n):
+            x[i] = v
+        x = x.to(dtype)
+        rows, block = ts.device_blocks(x, kernel=True)
+        assert block != ts.DEVICE_CHUNK                         # the kernel ran, not the eager fallback
+        got = ts.combine_blocks(list(rows.cpu().numpy()), n, block)
+        want = ts.combine_blocks(list(ts.device_stats(x).cpu().numpy()), n, ts.DEVICE_CHUNK)
+        exact = (0, 1, 2, 3, 6, 8)
+        assert [got[i] for i in exact] == [want[i] for i in exact], (n, got, want)
+        assert [got[i] for i in (4, 5, 7)] == pytest.approx([want[i] for i in (4, 5, 7)], rel=1e-12, nan_ok=True)
+    path = tmp_path / "k.h5"
+    with CaptureWriter(path, {"token_ids": list(range(64))}, "stats", stats_kernel=True) as w:
+        w.record("r", "layers.0.x", x.reshape(64, -1), layer=0)
+        w.end_layer("r", 0)
+    with CaptureReader(path) as r:
+        st = r.stats("r", "layers.0.x")
+    assert (st["nan_count"], st["inf_count"], st["absmax"]) == (want[0], want[1], want[6])

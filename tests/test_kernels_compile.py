@@ -14,14 +14,15 @@ from dsv4_kernels import load_all
 from dsv4_kernels._common import ARCHS, row_geometry
 from dsv4_kernels.compile import compile_one, plan
 
-# this file covers the kernels of kernels/{norm,rope,nvfp4,kv_cache,mhc}.py; the GEMM kernels have their own test
-OWN = ("norm", "rope", "nvfp4", "kv_cache", "mhc")
+# this file covers the kernels of kernels/{norm,rope,nvfp4,kv_cache,mhc,stats}.py; the GEMM kernels have their own
+# test
+OWN = ("norm", "rope", "nvfp4", "kv_cache", "mhc", "stats")
 PLAN = [p for p in plan(ARCHS, "all") if load_all()[p[0]].build.__module__.rsplit(".", 1)[-1] in OWN]
 
 
 def test_every_kernel_declares_hopper_and_a_config():
     reg = load_all()
-    assert set(reg) >= {"rmsnorm", "rope", "nvfp4_amax", "nvfp4_quant", "nvfp4_dequant", "kv_write", "kv_read",
+    assert set(reg) >= {"rmsnorm", "rope", "nvfp4_amax", "nvfp4_quant", "nvfp4_dequant", "kv_write", "kv_read", "site_stats",
                         "hc_mix", "hc_pre_apply", "hc_post"}
     for kd in reg.values():
         assert "sm_90a" in kd.archs and kd.configs, kd.name
