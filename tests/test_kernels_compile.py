@@ -1,7 +1,7 @@
 """CuTeDSL compile checks on CPU (CI): every kernel, every declared configuration, every declared arch.
 
 Compilation needs no GPU: launchers are traced with fake pointers/streams and compiled with
-cute.compile[GPUArch(arch)] down to a cubin (ptxas runs). All 46 (kernel, config, arch) compiles take ~20 s on
+cute.compile[GPUArch(arch)] down to a cubin (ptxas runs). These (kernel, config, arch) compiles take ~20 s on
 a 2-core machine (hc_mix, ~3 s each, dominates).
 """
 import json
