@@ -4,8 +4,9 @@ Two implementations produce the same per-block partial sums (PARTIALS), which `c
 the statistics on the host: `device_stats` runs torch ops where the tensor lives (on a GPU: about 18 small
 kernels, no sync, one small tensor to move to the host), `block_stats` runs numpy on one 1-D block of a host
 tensor in a worker thread, with the GIL released; `device_blocks(kernel=True)` has the CuTeDSL site_stats
-kernel (kernels/stats.py) produce them in one launch instead. Sums are float64, so squares cannot overflow (the host's
-bf16 blocks sum in float32 where their magnitudes rule overflow out), and temporaries stay one block large.
+kernel (kernels/stats.py) produce them in one launch instead. Sums are float64, so squares cannot overflow
+(the host's bf16 blocks sum in float32 where their magnitudes rule overflow out), and temporaries stay one
+block large.
 """
 from __future__ import annotations
 
