@@ -37,7 +37,7 @@ from .faults import Fault
 from .metrics import compare_fast, index_agreement
 from .model import State, stages
 from .tensorstats import tensor_stats
-from .verdict import DEFAULT_BUDGET, judge, logits_check, summarize, with_logits_check
+from .verdict import DEFAULT_BUDGET, judge, summarize, with_logits_check
 
 # Relative-L2 error that quantised serving numerics (FP8 activations per 1x128, NVFP4 activations per 16 for
 # experts) are expected to add, per op family: e4m3 keeps 4 significant bits (relative rounding error
@@ -362,8 +362,7 @@ def _verdict(results: list[SiteResult], candidate_runs: list[str], budget: float
         v["status"] = "nan"
         v["message"] = (f"NaN/Inf first produced by {nan_origin['site']} ({nan_origin['run']}) "
                         f"from finite inputs; " + v["message"])
-    logits = next((r.free_stats for r in results if r.site == "logits" and r.free_stats), None)
-    return with_logits_check(v, logits_check([{"site": "logits", "stats": logits}]) if logits else None)
+    return with_logits_check(v, next((r.free_stats for r in results if r.site == "logits"), None))
 
 
 def parse_layers(text: str | None, cfg: ModelConfig) -> range | None:

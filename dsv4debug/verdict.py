@@ -120,13 +120,15 @@ def summarize(records: Sequence[Record], forced_records: Sequence[Record] | None
                "worst": worst_sites(records, n_worst, budget),
                "worst_local": worst_sites(forced_records or [], n_worst, budget),
                "message": _message(status, origin, symptom, bug)}
-    return with_logits_check(verdict, logits_check(records))
+    rec = next((r for r in records if r["site"] == "logits"), None)
+    return with_logits_check(verdict, rec.get("stats") if rec else None)
 
 
-def with_logits_check(verdict: dict[str, Any], logits: dict[str, Any] | None) -> dict[str, Any]:
-    """The verdict with its logits check; one that is clean (or unjudged) but whose logits fail the check
-    becomes garbage-logits: within the floors of a reference as broken as its candidate, or never compared."""
-    verdict["logits_check"] = logits
+def with_logits_check(verdict: dict[str, Any], stats: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The verdict with the check of the logits' statistics (None: no logits); one that is clean (or unjudged)
+    but whose logits fail it becomes garbage-logits: within the floors of a reference as broken as its
+    candidate, or never compared."""
+    verdict["logits_check"] = logits = logits_check(stats)
     if logits and not logits["ok"] and verdict["status"] in ("clean", "no-reference"):
         verdict["status"] = "garbage-logits"
         verdict["message"] = (f"the logits look like garbage: std {logits['std']:.3g} outside "
@@ -135,12 +137,11 @@ def with_logits_check(verdict: dict[str, Any], logits: dict[str, Any] | None) ->
     return verdict
 
 
-def logits_check(records: Sequence[Record]) -> dict[str, Any] | None:
-    """Is the `logits` site finite with a plausible spread? Garbage output is never called a success."""
-    rec = next((r for r in records if r["site"] == "logits"), None)
-    if rec is None or not rec.get("stats"):
+def logits_check(stats: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Are the logits (by their statistics) finite with a plausible spread? Garbage output is never called a
+    success."""
+    if not stats:
         return None
-    stats = rec["stats"]
     std = stats.get("std", math.nan)
     low, high = LOGITS_STD_RANGE
     ok = not _nonfinite(stats) and low <= std <= high

@@ -1,6 +1,6 @@
 """A capture site's statistics in one launch: the PARTIALS of dsv4debug.tensorstats, one row per CTA.
 
-Eager torch takes ~23 small kernels a site (masks, where, six reductions, casts, a stack), about 1 ms of
+Eager torch takes about 20 small kernels a site (masks, where, six reductions, casts, a stack), about 1 ms of
 launches and dispatch per site; a Pro layer records ~436 sites, so a stats-only capture cost 2.3x the
 forward on the H200. This kernel reads the tensor once: each CTA takes a contiguous block of BLOCK elements
 (128-bit loads, consecutive threads on consecutive vectors) and writes one float64 row of
@@ -134,11 +134,11 @@ def site_stats(t):
         raise ValueError(f"site_stats takes contiguous, aligned bf16/fp32 CUDA tensors of whole 16-byte vectors, "
                          f"not {t.dtype} {tuple(t.shape)} on {t.device}")
     check_numel(t)
-    dtype = "bf16" if t.dtype == torch.bfloat16 else "fp32"
-    k = SiteStats(dtype)
-    n_vec = t.numel() // k.vec
+    vec = 16 // t.element_size()                              # SiteStats.vec
+    n_vec = t.numel() // vec
     n_cta = -(-n_vec // (THREADS * ITERS))
     out = torch.empty(n_cta, N_PARTIALS, dtype=torch.float64, device=t.device)
+    dtype = "bf16" if t.dtype == torch.bfloat16 else "fp32"
     fn = compile_kernel("site_stats", device_arch(t.device), dtype=dtype)
     fn(ptr(t), ptr(out, Float64, 8), Int32(n_vec), Int32(n_cta), current_stream())
-    return out, k.block
+    return out, THREADS * ITERS * vec                         # SiteStats.block
