@@ -44,6 +44,7 @@ from .h5chunks import (
 from .tensorstats import (
     DEVICE_CHUNK,
     HOST_BLOCK,
+    PARTIALS,
     STAT_KEYS,
     block_stats,
     combine_blocks,
@@ -253,17 +254,74 @@ class _SiteJob:
     data: torch.Tensor | None           # host copy of the stored part, or None
     token_slice: tuple[int, int] | None
     nbytes: int                         # host bytes held until written
-    device_values: torch.Tensor | None = None   # GPU: pinned device_stats partials, valid once `ready` fired
-    device_block: int = DEVICE_CHUNK            # elements per row of device_values
-    ready: Any = None                            # torch.cuda.Event
+    device_block: int = DEVICE_CHUNK            # GPU: elements per PARTIALS row
+    device_rows: Future | None = None           # GPU: its pinned PARTIALS rows, set by _StatsSlab.flush
+    ready: Any = None                            # GPU: torch.cuda.Event after the pinned copy of `data`
     host_parts: list[Future] = field(default_factory=list)   # CPU: block_stats futures
 
     def stat_values(self) -> list[float]:
         numel = int(np.prod(self.shape))
-        if self.device_values is not None:
-            self.ready.synchronize()
-            return combine_blocks(list(self.device_values.numpy()), numel, self.device_block)
+        if self.device_rows is not None:
+            rows, landed = self.device_rows.result()
+            landed.synchronize()
+            return combine_blocks(list(rows.numpy()), numel, self.device_block)
         return combine_blocks([part.result() for part in self.host_parts], numel, HOST_BLOCK)
+
+
+class _StatsSlab:
+    """GPU site statistics without a transfer per site: each site's PARTIALS rows are written into one device
+    slab, and flush() moves every row recorded since the last flush to pinned host memory in one copy (the
+    slab is reused behind it in stream order). A stats-only site then costs its statistics kernel(s) and no
+    allocation, copy or event of its own. The writer flushes at the end of a layer, before a site whose
+    tensor it stores (whose host bytes it may wait for), when the slab is full and when asked for a site's
+    statistics; flushed jobs' `device_rows` futures resolve to (pinned rows, the copy's event)."""
+
+    ROWS = 4096                         # 229 KiB: a layer's sites at 4096 tokens, 32768 elements a row
+
+    def __init__(self):
+        self.capacity = self.ROWS
+        self.slabs: dict[torch.device, torch.Tensor] = {}
+        self.waiting: list[tuple[_SiteJob, torch.device, int, int]] = []     # job, device, first row, rows
+        self.used: dict[torch.device, int] = {}
+
+    def add(self, job: _SiteJob, tensor: torch.Tensor, kernel: bool) -> None:
+        n, job.device_block, fill = device_blocks(tensor, kernel)
+        device = tensor.device
+        if self.used.get(device, 0) + n > self.capacity:
+            self.flush()
+        self.capacity = max(self.capacity, n)               # a site larger than the slab grows it
+        slab = self.slabs.get(device)
+        if slab is None or slab.shape[0] < self.capacity:
+            slab = self.slabs[device] = torch.empty(self.capacity, len(PARTIALS), dtype=torch.float64,
+                                                    device=device)
+        start = self.used.get(device, 0)
+        fill(slab[start:start + n])
+        self.used[device] = start + n
+        job.device_rows = Future()
+        self.waiting.append((job, device, start, n))
+
+    def flush(self) -> None:
+        if not self.waiting:
+            return
+        host: dict[torch.device, tuple[torch.Tensor, Any]] = {}
+        try:
+            for device, used in self.used.items():
+                if used:
+                    rows = _pinned_copy(self.slabs[device][:used])
+                    landed = torch.cuda.Event()
+                    landed.record()
+                    host[device] = rows, landed
+            for job, device, start, n in self.waiting:
+                rows, landed = host[device]
+                job.device_rows.set_result((rows[start:start + n], landed))
+        except BaseException as e:          # the write loop must not wait for rows that never come
+            for job, *_ in self.waiting:
+                if not job.device_rows.done():
+                    job.device_rows.set_exception(e)
+            raise
+        finally:
+            self.waiting.clear()
+            self.used.clear()
 
 
 @dataclass
@@ -279,10 +337,12 @@ class _Encoded:
 class PendingSite:
     """Returned by record(): `stats()` waits for this site's statistics only (not for its tensor)."""
 
-    def __init__(self, job: _SiteJob):
-        self._job = job
+    def __init__(self, job: _SiteJob, slab: _StatsSlab):
+        self._job, self._slab = job, slab
 
     def stats(self) -> dict[str, Any]:
+        if self._job.device_rows is not None and not self._job.device_rows.done():
+            self._slab.flush()
         return stats_dict(self._job.stat_values(), self._job.dtype, self._job.shape)
 
 
@@ -299,6 +359,7 @@ class CaptureWriter:
                  max_pending_bytes: int = 2 << 30, stats_kernel: bool = False):
         self.path = Path(path)
         self.stats_kernel = stats_kernel     # GPU site statistics by the site_stats kernel (one launch a site)
+        self._slab = _StatsSlab()
         self.tmp_path = self.path.with_name(self.path.name + TMP_SUFFIX)
         self.policy = as_policy(policy)
         if compression not in COMPRESSIONS:
@@ -348,13 +409,16 @@ class CaptureWriter:
         self._seen[run].add(site)
         job = self._site_job(run, site, tensor, layer, family, inputs, attrs or {}, token_dim)
         self._orders[run] += 1
+        if job.nbytes:
+            self._slab.flush()              # the write loop may hold these bytes until earlier rows arrive
         self._pending.acquire(job.nbytes)
         self._prepare_q.put(job)
-        return PendingSite(job)
+        return PendingSite(job, self._slab)
 
     def end_layer(self, run: str, layer: int) -> None:
         """Mark a layer finished: returns once it and everything before it is flushed to the file."""
         self._check_open()
+        self._slab.flush()
         done = threading.Event()
         self._submit(lambda: self._finish_layer(run, layer, done))
         while not done.wait(0.1):
@@ -424,11 +488,11 @@ class CaptureWriter:
         job = _SiteJob(run, row, tensor.dtype, shape, None, token_slice, 0)
         source = tensor.detach()
         if tensor.is_cuda:
-            rows, job.device_block = device_blocks(source, self.stats_kernel)
-            job.device_values = _pinned_copy(rows)
-            job.data = _pinned_copy(_rows_of(source, token_slice)) if store else None
-            job.ready = torch.cuda.Event()
-            job.ready.record()
+            self._slab.add(job, source, self.stats_kernel)
+            if store:
+                job.data = _pinned_copy(_rows_of(source, token_slice))
+                job.ready = torch.cuda.Event()
+                job.ready.record()
         else:   # copy now: the caller may reuse its buffer once record() returns
             host = source.clone(memory_format=torch.contiguous_format)
             job.host_parts = [self._pool.submit(block_stats, block) for block in host_blocks(host)]
@@ -452,6 +516,10 @@ class CaptureWriter:
 
     def _stop(self) -> None:
         self._closed = True
+        try:
+            self._slab.flush()
+        except BaseException as e:  # noqa: BLE001 - the jobs waiting for these rows fail with it
+            self._error = self._error or e
         self._prepare_q.put(None)
         for thread in self._threads:
             thread.join()
@@ -477,7 +545,7 @@ class CaptureWriter:
         """Submit the site's hash and chunk encodings; its statistics are awaited only by the write loop, so
         the next site's work is queued while this one's host statistics still run."""
         if job.ready is not None:
-            job.ready.synchronize()             # the pinned copies of a GPU tensor have landed
+            job.ready.synchronize()             # the pinned copy of a GPU tensor has landed
         if job.data is None:
             return _Encoded(job)
         arr, dtype, widen = source_array(job.data)

@@ -108,8 +108,14 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
-    """[..., n] packed bytes -> [..., 2n] float32 values."""
-    return on_device(_PAIR_TABLE, packed.device)[packed.view(torch.uint8).long()].flatten(-2)
+    """[..., n] packed bytes -> [..., 2n] float32 values, built from their bits: a magnitude code m = 2e + f
+    (e > 0) is 2^(e-1) (1 + f/2), whose float32 bits are (m + 252) << 22; code 1 is 0.5, code 0 zero; bit 3
+    is the sign. Integer ops only (no gather), so a compiled graph streams it."""
+    b = packed.view(torch.uint8).to(torch.int32)
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)
+    mag = codes & 7
+    bits = torch.where(mag > 1, (mag + 252) << 22, (mag == 1).to(torch.int32) * 0x3F000000)
+    return (bits | (codes & 8) << 28).view(torch.float32)
 
 
 # ---- FP8 128x128 blocks --------------------------------------------------------------------------------
@@ -285,13 +291,13 @@ class QWeight:
 
 # ---- torch.compile with eager's rounding -------------------------------------------------------------------
 
-def exact_compile(fn: Callable) -> Callable:
+def exact_compile(fn: Callable, dynamic: bool = True) -> Callable:
     """torch.compile(fn) (dynamic shapes, one graph) that rounds as eager does: precision casts emulated, which
     also keeps Triton from contracting a multiply and an add into an FMA. The recompile limit is raised: callers
     compile partials of one function (one code object, one cache of graphs) for every format and dtype, and
     fullgraph=True turns a hit limit into an error. The lookup tables are put on the arguments' devices first,
     so that the graph reads them there (as constants) instead of copying them from the host each call."""
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+    compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True)
 
     def run(*args):
         for device in {a.device for a in args if isinstance(a, torch.Tensor)}:

@@ -11,7 +11,7 @@ block large.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,18 +35,20 @@ def device_stats(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([_device_partials(x[i:i + DEVICE_CHUNK]) for i in range(0, x.numel(), DEVICE_CHUNK)])
 
 
-def device_blocks(t: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, int]:
-    """(PARTIALS rows, elements per row) computed where t lives: device_stats, or with `kernel` the one-launch
-    CuTeDSL site_stats kernel where it takes t (contiguous bf16/fp32 CUDA tensors of whole 16-byte vectors;
-    needs nvidia-cutlass-dsl). The kernel is the GPU capture's option while its speed is measured."""
-    if kernel and t.is_cuda:
+def device_blocks(t: torch.Tensor, kernel: bool = False) -> tuple[int, int, Callable[[torch.Tensor], None]]:
+    """(PARTIALS rows, elements per row, fill) for t where it lives: fill(out) writes the rows into the float64
+    device tensor `out` [rows, PARTIALS] (a capture's slab of rows, so that no site allocates or copies its
+    own). By device_stats, or with `kernel` the one-launch CuTeDSL site_stats kernel where it takes t
+    (contiguous bf16/fp32 CUDA tensors of whole 16-byte vectors; needs nvidia-cutlass-dsl)."""
+    x = t.detach()
+    if kernel and x.is_cuda:
         try:
             from dsv4_kernels import stats
         except ImportError as e:
             raise RuntimeError(f"the site_stats kernel needs CuTeDSL (pip install -e '.[gpu]'): {e}") from None
-        if stats.supports(t.detach()):
-            return stats.site_stats(t.detach())
-    return device_stats(t), DEVICE_CHUNK
+        if stats.supports(x):
+            return stats.n_rows(x), stats.block_of(x), lambda out: stats.site_stats(x, out)
+    return max(-(-x.numel() // DEVICE_CHUNK), 0), DEVICE_CHUNK, lambda out: out.copy_(device_stats(x))
 
 
 def _device_partials(chunk: torch.Tensor) -> torch.Tensor:

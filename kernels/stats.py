@@ -127,18 +127,31 @@ def supports(t) -> bool:
     return t.numel() > 0 and t.data_ptr() % 16 == 0 and t.numel() % (16 // t.element_size()) == 0
 
 
-def site_stats(t):
-    """float64 [CTAs, 7] PARTIALS rows of t (see the module doc) and the block each row covers, in elements."""
+def block_of(t) -> int:
+    """Elements per PARTIALS row (SiteStats.block) for t's dtype."""
+    return THREADS * ITERS * (16 // t.element_size())
+
+
+def n_rows(t) -> int:
+    """PARTIALS rows (CTAs) site_stats writes for t."""
+    return -(-t.numel() // block_of(t))
+
+
+def site_stats(t, out=None):
+    """PARTIALS rows of t (see the module doc), one per block_of(t) elements, written into `out` (float64
+    [n_rows(t), 7] on t's device; allocated when None) and returned."""
     import torch
     if not supports(t):
         raise ValueError(f"site_stats takes contiguous, aligned bf16/fp32 CUDA tensors of whole 16-byte vectors, "
                          f"not {t.dtype} {tuple(t.shape)} on {t.device}")
     check_numel(t)
-    vec = 16 // t.element_size()                              # SiteStats.vec
-    n_vec = t.numel() // vec
-    n_cta = -(-n_vec // (THREADS * ITERS))
-    out = torch.empty(n_cta, N_PARTIALS, dtype=torch.float64, device=t.device)
+    n_cta = n_rows(t)
+    if out is None:
+        out = torch.empty(n_cta, N_PARTIALS, dtype=torch.float64, device=t.device)
+    if out.shape != (n_cta, N_PARTIALS) or out.dtype != torch.float64 or not out.is_contiguous():
+        raise ValueError(f"site_stats writes a contiguous float64 [{n_cta}, {N_PARTIALS}], not {out.dtype} "
+                         f"{tuple(out.shape)}")
     dtype = "bf16" if t.dtype == torch.bfloat16 else "fp32"
     fn = compile_kernel("site_stats", device_arch(t.device), dtype=dtype)
-    fn(ptr(t), ptr(out, Float64, 8), Int32(n_vec), Int32(n_cta), current_stream())
-    return out, THREADS * ITERS * vec                         # SiteStats.block
+    fn(ptr(t), ptr(out, Float64, 8), Int32(t.numel() // (16 // t.element_size())), Int32(n_cta), current_stream())
+    return out

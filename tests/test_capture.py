@@ -460,13 +460,23 @@ def test_device_and_host_statistics_agree(dtype, monkeypatch):
     assert [device[i] for i in (4, 5, 7)] == pytest.approx([host[i] for i in (4, 5, 7)], rel=rel)
 
 
+def _same_stats(got: dict, want: dict) -> bool:
+    """Site statistics equal, NaN equal to NaN; sums (mean, std, l2) to float64 rounding."""
+    def same(k):
+        a, b = got[k], want[k]
+        if isinstance(a, float) and isinstance(b, float):
+            return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12)
+        return a == b
+    return got.keys() == want.keys() and all(same(k) for k in got)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_site_stats_kernel_equals_eager_statistics(dtype, tmp_path):
     """The one-launch site_stats kernel (a GPU capture's option) gives the eager device statistics: counts,
     extremes, absmax and the first non-finite element exactly, sums to float64 rounding; sizes of one partial
-    CTA, several CTAs and a ragged last one; NaN/Inf anywhere, or none; and through the writer."""
+    CTA, several CTAs and a ragged last one; NaN/Inf anywhere, or none, or nothing finite."""
     from dsv4debug import tensorstats as ts
     g = torch.Generator(device="cuda").manual_seed(5)
     for n, bad in ((64, (3,)), (7 * 40960, (0, 9999, 286719)), (3 * 32768 + 8 * 300, ()), (4096, range(4096))):
@@ -474,17 +484,44 @@ def test_site_stats_kernel_equals_eager_statistics(dtype, tmp_path):
         for i, v in zip(bad, [float("nan"), float("inf"), -float("inf")] * n):
             x[i] = v
         x = x.to(dtype)
-        rows, block = ts.device_blocks(x, kernel=True)
-        assert block != ts.DEVICE_CHUNK                         # the kernel ran, not the eager fallback
-        got = ts.combine_blocks(list(rows.cpu().numpy()), n, block)
+        rows, block, fill = ts.device_blocks(x, kernel=True)
+        assert block != ts.DEVICE_CHUNK                         # the kernel runs, not the eager fallback
+        out = torch.full((rows, len(ts.PARTIALS)), 7.0, dtype=torch.float64, device="cuda")
+        fill(out)
+        got = ts.combine_blocks(list(out.cpu().numpy()), n, block)
         want = ts.combine_blocks(list(ts.device_stats(x).cpu().numpy()), n, ts.DEVICE_CHUNK)
         exact = (0, 1, 2, 3, 6, 8)
         assert [got[i] for i in exact] == [want[i] for i in exact], (n, got, want)
         assert [got[i] for i in (4, 5, 7)] == pytest.approx([want[i] for i in (4, 5, 7)], rel=1e-12, nan_ok=True)
-    path = tmp_path / "k.h5"
-    with CaptureWriter(path, {"token_ids": list(range(64))}, "stats", stats_kernel=True) as w:
-        w.record("r", "layers.0.x", x.reshape(64, -1), layer=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", [False, True], ids=["eager", "site_stats"])
+def test_gpu_capture_rows_slab_gives_every_site_its_own_statistics(kernel, tmp_path, monkeypatch):
+    """A GPU capture writes its sites' statistics rows into one device slab, flushed in one copy: with a slab
+    too small for a layer (flushes mid-layer, a site larger than the slab), stored sites among stats-only
+    ones and a site's statistics asked for before the layer ends, every site still gets its own statistics,
+    those of tensor_stats."""
+    from dsv4debug import capture as cap
+    from dsv4debug import tensorstats as ts
+    monkeypatch.setattr(cap._StatsSlab, "ROWS", 3)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    sites = {}
+    for i in range(12):
+        x = torch.randn(64, 8 + 40960 * (i % 4 == 3), device="cuda", generator=g) * (i + 1)
+        if i % 3 == 0:
+            x.view(-1)[i * 7] = float("nan")
+        sites[f"layers.0.s{i}"] = x.to(torch.bfloat16 if i % 2 else torch.float32)
+    want = {site: ts.tensor_stats(x) for site, x in sites.items()}
+    path = tmp_path / "slab.h5"
+    with CaptureWriter(path, {"token_ids": list(range(64))}, "sites:s5$", stats_kernel=kernel) as w:
+        pending = {site: w.record("r", site, x, layer=0) for site, x in sites.items()}
+        assert _same_stats(pending["layers.0.s4"].stats(), want["layers.0.s4"])
+        for x in sites.values():
+            x.fill_(1.0)                     # the writer took what it needs before record() returned
         w.end_layer("r", 0)
     with CaptureReader(path) as r:
-        st = r.stats("r", "layers.0.x")
-    assert (st["nan_count"], st["inf_count"], st["absmax"]) == (want[0], want[1], want[6])
+        for site in sites:
+            assert _same_stats(r.stats("r", site), want[site]), site
+        assert r.tensor("r", "layers.0.s5").eq(1.0).sum() == 0

@@ -1,0 +1,108 @@
+"""The host cost of recording one site into a GPU stats capture, and of its parts.
+
+A Pro layer records ~430 sites (384 of them experts' outputs) and its reference forward is bound by the
+host's launches, so a capture's overhead is what record() costs the calling thread, not GPU time. Measured
+per call over many calls (host time from the first call to the last's return, without waiting for the GPU;
+the GPU time of the same calls next to it): the eager statistics (device_stats), the site_stats kernel and
+its launcher's pieces, a pinned 1-row copy and an event (what each site cost before the rows slab), and
+CaptureWriter.record itself, stats-only, with either statistics, against a loop that only launches a matmul.
+
+    python benchmarks/bench_record.py --out DIR        # writes DIR/record.json (default: results/)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from dsv4debug import tensorstats as ts
+from dsv4debug.capture import CaptureWriter
+
+RESULTS = Path(__file__).parent / "results"
+CALLS = 400
+
+
+def per_call(fn, calls: int = CALLS) -> dict[str, float]:
+    """Host and GPU microseconds per call of fn (after a warm-up call)."""
+    fn(0)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    host = time.perf_counter() - t0
+    end.record()
+    end.synchronize()
+    return {"host_us": host / calls * 1e6, "gpu_us": start.elapsed_time(end) / calls * 1e3}
+
+
+def stats_calls(shape) -> list[tuple[str, dict[str, float]]]:
+    """A site's statistics, eager and by the site_stats kernel, with a matmul launch for scale."""
+    from cutlass import Float64, Int32
+    from dsv4_kernels import _common, stats
+    x = torch.randn(*shape, device="cuda").bfloat16()
+    w = torch.randn(shape[1], 64, device="cuda").bfloat16()
+    out = torch.empty(stats.n_rows(x), 7, dtype=torch.float64, device="cuda")
+    fn = _common.compile_kernel("site_stats", "sm_90a", dtype="bf16")
+    args = (_common.ptr(x), _common.ptr(out, Float64, 8), Int32(x.numel() // 8), Int32(out.shape[0]),
+            _common.current_stream())
+    return [("matmul [.., 7168] @ [7168, 64] (a launch, for scale)", per_call(lambda i: x @ w)),
+            ("eager device_stats", per_call(lambda i: ts.device_stats(x))),
+            ("site_stats kernel, launcher", per_call(lambda i: stats.site_stats(x, out))),
+            ("site_stats kernel, compiled function only", per_call(lambda i: fn(*args)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    from cutlass import Float64
+    from dsv4_kernels import _common
+    rows: list[dict] = []
+
+    def add(part: str, shape, r: dict[str, float]) -> None:
+        rows.append({"part": part, "shape": list(shape), **r})
+
+    for shape in ((64, 7168), (4096, 7168)):
+        for part, r in stats_calls(shape):
+            add(part, shape, r)
+    one = torch.empty(1, 7, dtype=torch.float64, device="cuda")
+    add("launcher piece: ptr()", (1, 7), per_call(lambda i: _common.ptr(one, Float64, 8)))
+    add("launcher piece: current_stream()", (), per_call(lambda i: _common.current_stream()))
+    add("launcher piece: compile cache lookup", (), per_call(
+        lambda i: _common.compile_kernel("site_stats", "sm_90a", dtype="bf16")))
+    add("launcher piece: device_arch()", (), per_call(lambda i: _common.device_arch(one.device)))
+    add("pinned copy of one row", (1, 7), per_call(lambda i: torch.empty(1, 7, dtype=torch.float64,
+                                                                         pin_memory=True).copy_(one, non_blocking=True)))
+    add("cuda Event() + record()", (), per_call(lambda i: torch.cuda.Event().record()))
+
+    ids = list(range(64))
+    sites = [torch.randn(64, 7168, device="cuda").bfloat16() for _ in range(8)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for kernel in (False, True):
+            with CaptureWriter(Path(tmp) / f"r{kernel}.h5", {"token_ids": ids}, "stats", stats_kernel=kernel) as wr:
+                def record(i: int, wr=wr) -> None:
+                    wr.record("r", f"layers.0.s{i}_{time.perf_counter_ns()}", sites[i % 8], layer=0)
+                r = per_call(record)
+                t0 = time.perf_counter()
+                wr.end_layer("r", 0)
+                r["end_layer_ms"] = (time.perf_counter() - t0) * 1e3
+            add(f"CaptureWriter.record, stats only ({'site_stats' if kernel else 'eager'})", (64, 7168), r)
+    print(f"{'part':58} {'shape':>14} {'host us':>8} {'gpu us':>8}")
+    for r in rows:
+        print(f"{r['part']:58} {tuple(r['shape'])!s:>14} {r['host_us']:8.1f} {r['gpu_us']:8.1f}")
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "calls": CALLS, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "record.json").write_text(json.dumps(result, indent=1))
+    print(f"written {args.out / 'record.json'}")
+
+
+if __name__ == "__main__":
+    main()
