@@ -3,8 +3,8 @@ device's copy bandwidth measured in the same run: the reference dequantises ever
 matrices for each forward, which made it most of a reference layer's GPU time at 4096 tokens.
 
 Formulations, all checked bit-identical to eager dequantisation: eager (~10 passes with an int64 gather),
-the fused torch.compile'd graph with dynamic shapes (what QWeight.dequantize(fused=True) runs), and the same
-graph compiled for static shapes.
+the fused torch.compile'd graph for static shapes (what QWeight.dequantize(fused=True) runs on a GPU), and
+the same graph compiled for dynamic shapes.
 
     python benchmarks/bench_dequant.py --out DIR        # writes DIR/dequant.json (default: results/)
 """
@@ -44,20 +44,6 @@ def stored(fmt: str, w: torch.Tensor) -> list[torch.Tensor]:
     return [packed, scale.view(torch.uint8)]
 
 
-def _table_decode(packed):        # EXPLORATION: the [256, 2] table gather formulation
-    return F.on_device(F._PAIR_TABLE, packed.device)[packed.view(torch.uint8).long()].flatten(-2)
-
-
-def with_table(fn):
-    def run(*a):
-        old, F.e2m1_decode = F.e2m1_decode, _table_decode
-        try:
-            return fn(*a)
-        finally:
-            F.e2m1_decode = old
-    return run
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -76,9 +62,6 @@ def main() -> None:
         dequantize = functools.partial(F._dequantized, fmt, torch.bfloat16)
         want = dequantize(*tensors)
         variants = {"eager": dequantize,
-                    "TABLE eager": with_table(dequantize),
-                    "TABLE fused dynamic": with_table(F.exact_compile(dequantize)),
-                    "TABLE fused static": with_table(F.exact_compile(dequantize, dynamic=False)),
                     "fused, dynamic shapes": F.exact_compile(dequantize),
                     "fused, static shapes": F.exact_compile(dequantize, dynamic=False)}
         for name, fn in variants.items():

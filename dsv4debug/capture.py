@@ -3,8 +3,9 @@ per-run table and, by policy, its tensor. Layout and attributes are documented i
 tables there are generated from ROOT_ATTRS, RUN_ATTRS, SITE_COLUMNS ... below (`python -m
 dsv4debug.capture --doc`).
 
-Writing is asynchronous: `record` starts the statistics (torch kernels on a GPU tensor, numpy tasks on a
-worker pool for a host tensor) and the device->host copy, then returns; a prepare thread has the pool
+Writing is asynchronous: `record` starts the statistics (on a GPU tensor the site_stats kernel, or torch
+ops, writing into a slab of rows that moves to the host in one copy per layer; numpy tasks on a worker pool
+for a host tensor) and the device->host copy of a stored tensor, then returns; a prepare thread has the pool
 shuffle, compress and hash the chunks; a writer thread, the only one touching HDF5, writes them with
 `write_direct_chunk` and appends the site rows at each `end_layer`, which returns once everything recorded
 so far is flushed: a process killed afterwards leaves those layers readable.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import queue
 import re
@@ -48,6 +50,7 @@ from .tensorstats import (
     STAT_KEYS,
     block_stats,
     combine_blocks,
+    combine_segments,
     device_blocks,
     dtype_name,
     host_blocks,
@@ -74,6 +77,8 @@ ROOT_ATTRS = (
     ("device", "str", "device the runs executed on (GPU name or cpu)"),
     ("torch_version", "str", "torch.__version__"),
     ("cutedsl_version", "str", 'nvidia-cutlass-dsl version, or "not installed"'),
+    ("gpu_statistics", "str", ('how GPU tensors\' statistics were computed: "site_stats kernel" (CuTeDSL, one '
+                               'launch a site; the default where CuTeDSL is installed) or "torch ops"')),
     ("save_policy", "str", "the SavePolicy text deciding which tensors were stored"),
     ("compression", "str", "chunk compression mode: fast | small (both decode with shuffle+deflate)"),
     ("json_keys", "str[]", "names of root attributes holding JSON text (decoded by the reader)"),
@@ -255,73 +260,92 @@ class _SiteJob:
     token_slice: tuple[int, int] | None
     nbytes: int                         # host bytes held until written
     device_block: int = DEVICE_CHUNK            # GPU: elements per PARTIALS row
-    device_rows: Future | None = None           # GPU: its pinned PARTIALS rows, set by _StatsSlab.flush
+    device_rows: tuple | None = None            # GPU: (pinned rows, first, count, the copy's event) once flushed
+    values: list[float] | None = None           # STAT_VALUES, once combined (GPU: a whole batch at a time)
     ready: Any = None                            # GPU: torch.cuda.Event after the pinned copy of `data`
     host_parts: list[Future] = field(default_factory=list)   # CPU: block_stats futures
 
     def stat_values(self) -> list[float]:
-        numel = int(np.prod(self.shape))
-        if self.device_rows is not None:
-            rows, landed = self.device_rows.result()
-            landed.synchronize()
-            return combine_blocks(list(rows.numpy()), numel, self.device_block)
-        return combine_blocks([part.result() for part in self.host_parts], numel, HOST_BLOCK)
+        if self.values is None:
+            numel = int(np.prod(self.shape))
+            if self.device_rows is not None:
+                rows, first, count, landed = self.device_rows
+                landed.synchronize()
+                self.values = combine_blocks(list(rows[first:first + count].numpy()), numel, self.device_block)
+            else:
+                self.values = combine_blocks([part.result() for part in self.host_parts], numel, HOST_BLOCK)
+        return self.values
 
 
 class _StatsSlab:
-    """GPU site statistics without a transfer per site: each site's PARTIALS rows are written into one device
-    slab, and flush() moves every row recorded since the last flush to pinned host memory in one copy (the
-    slab is reused behind it in stream order). A stats-only site then costs its statistics kernel(s) and no
-    allocation, copy or event of its own. The writer flushes at the end of a layer, before a site whose
-    tensor it stores (whose host bytes it may wait for), when the slab is full and when asked for a site's
-    statistics; flushed jobs' `device_rows` futures resolve to (pinned rows, the copy's event)."""
+    """GPU site statistics without a transfer, an event or a queued item per site. Each site's PARTIALS rows
+    are written into one device slab (grown as needed); flush() moves every row recorded since the last flush
+    to pinned host memory in one copy (the slab is reused behind it, in stream order) and hands the writer
+    thread the batch of waiting sites, whose statistics it combines in a few numpy passes
+    (combine_segments). A stats-only site then costs the calling thread its statistics kernel and a little
+    bookkeeping. The writer flushes at the end of a layer, before it queues any other site (the site table
+    keeps execution order), when the slab would pass MAX_ROWS and when a site's statistics are asked for."""
 
-    ROWS = 4096                         # 229 KiB: a layer's sites at 4096 tokens, 32768 elements a row
+    ROWS, MAX_ROWS = 8192, 1 << 20                      # 0.4 MiB to start; 56 MiB at most
 
-    def __init__(self):
-        self.capacity = self.ROWS
+    def __init__(self, submit: Callable[[list[_SiteJob]], None]):
+        self.submit = submit
         self.slabs: dict[torch.device, torch.Tensor] = {}
-        self.waiting: list[tuple[_SiteJob, torch.device, int, int]] = []     # job, device, first row, rows
         self.used: dict[torch.device, int] = {}
+        self.waiting: list[tuple[_SiteJob, torch.device]] = []
 
     def add(self, job: _SiteJob, tensor: torch.Tensor, kernel: bool) -> None:
         n, job.device_block, fill = device_blocks(tensor, kernel)
         device = tensor.device
-        if self.used.get(device, 0) + n > self.capacity:
+        if self.used.get(device, 0) + n > self.MAX_ROWS:
             self.flush()
-        self.capacity = max(self.capacity, n)               # a site larger than the slab grows it
-        slab = self.slabs.get(device)
-        if slab is None or slab.shape[0] < self.capacity:
-            slab = self.slabs[device] = torch.empty(self.capacity, len(PARTIALS), dtype=torch.float64,
-                                                    device=device)
         start = self.used.get(device, 0)
+        slab = self.slabs.get(device)
+        if slab is None or slab.shape[0] < start + n:
+            grown = torch.empty(max(self.ROWS, 2 * (start + n)), len(PARTIALS), dtype=torch.float64, device=device)
+            if start:
+                grown[:start].copy_(slab[:start])
+            slab = self.slabs[device] = grown
         fill(slab[start:start + n])
         self.used[device] = start + n
-        job.device_rows = Future()
-        self.waiting.append((job, device, start, n))
+        job.device_rows = (None, start, n, None)
+        self.waiting.append((job, device))
 
     def flush(self) -> None:
         if not self.waiting:
             return
-        host: dict[torch.device, tuple[torch.Tensor, Any]] = {}
-        try:
-            for device, used in self.used.items():
-                if used:
-                    rows = _pinned_copy(self.slabs[device][:used])
-                    landed = torch.cuda.Event()
-                    landed.record()
-                    host[device] = rows, landed
-            for job, device, start, n in self.waiting:
-                rows, landed = host[device]
-                job.device_rows.set_result((rows[start:start + n], landed))
-        except BaseException as e:          # the write loop must not wait for rows that never come
-            for job, *_ in self.waiting:
-                if not job.device_rows.done():
-                    job.device_rows.set_exception(e)
-            raise
-        finally:
-            self.waiting.clear()
-            self.used.clear()
+        jobs = [job for job, _ in self.waiting]
+        copies = {}
+        for device, used in self.used.items():
+            rows = _pinned_copy(self.slabs[device][:used])
+            landed = torch.cuda.Event()
+            landed.record()
+            copies[device] = rows, landed
+        for job, device in self.waiting:
+            rows, landed = copies[device]
+            job.device_rows = (rows, job.device_rows[1], job.device_rows[2], landed)
+        self.waiting.clear()
+        self.used.clear()
+        self.submit(jobs)
+
+    def pending(self, job: _SiteJob) -> bool:
+        return job.device_rows is not None and job.device_rows[0] is None
+
+
+def _combine_batch(jobs: list[_SiteJob]) -> None:
+    """Set every flushed job's `values` from its device rows: one combine_segments per pinned copy."""
+    by_copy: dict[int, list[_SiteJob]] = {}
+    for job in jobs:
+        by_copy.setdefault(id(job.device_rows[0]), []).append(job)
+    for group in by_copy.values():
+        rows, _, _, landed = group[0].device_rows
+        landed.synchronize()
+        values = combine_segments(rows.numpy(), np.array([j.device_rows[1] for j in group]),
+                                  np.array([j.device_rows[2] for j in group]),
+                                  np.array([math.prod(j.shape) for j in group]),
+                                  np.array([j.device_block for j in group]))
+        for job, v in zip(group, values.tolist()):
+            job.values = v
 
 
 @dataclass
@@ -341,7 +365,7 @@ class PendingSite:
         self._job, self._slab = job, slab
 
     def stats(self) -> dict[str, Any]:
-        if self._job.device_rows is not None and not self._job.device_rows.done():
+        if self._slab.pending(self._job):
             self._slab.flush()
         return stats_dict(self._job.stat_values(), self._job.dtype, self._job.shape)
 
@@ -356,10 +380,12 @@ class CaptureWriter:
 
     def __init__(self, path: str | Path, meta: Mapping[str, Any], policy: SavePolicy | str = "stats",
                  force: bool = False, compression: str = "fast", workers: int | None = None,
-                 max_pending_bytes: int = 2 << 30, stats_kernel: bool = False):
+                 max_pending_bytes: int = 2 << 30, stats_kernel: bool | None = None):
         self.path = Path(path)
-        self.stats_kernel = stats_kernel     # GPU site statistics by the site_stats kernel (one launch a site)
-        self._slab = _StatsSlab()
+        # GPU site statistics by the site_stats kernel (one launch a site) or torch ops (~20 launches);
+        # None: the kernel where CuTeDSL is installed. Both give the same statistics (tests/test_capture.py).
+        self.stats_kernel = _site_stats_installed() if stats_kernel is None else stats_kernel
+        self._slab = _StatsSlab(lambda jobs: self._submit(lambda: self._write_batch(jobs)))
         self.tmp_path = self.path.with_name(self.path.name + TMP_SUFFIX)
         self.policy = as_policy(policy)
         if compression not in COMPRESSIONS:
@@ -370,6 +396,7 @@ class CaptureWriter:
         self._file = h5py.File(self.tmp_path, "w")
         _keep_metadata_in_cache(self._file)
         _set_root_attrs(self._file, meta, self.policy.text, compression)
+        self._file.attrs["gpu_statistics"] = "site_stats kernel" if self.stats_kernel else "torch ops"
         self._file.create_group("runs", track_order=True)
         self._file.flush()
         self._orders: dict[str, int] = {}
@@ -409,10 +436,10 @@ class CaptureWriter:
         self._seen[run].add(site)
         job = self._site_job(run, site, tensor, layer, family, inputs, attrs or {}, token_dim)
         self._orders[run] += 1
-        if job.nbytes:
-            self._slab.flush()              # the write loop may hold these bytes until earlier rows arrive
-        self._pending.acquire(job.nbytes)
-        self._prepare_q.put(job)
+        if job.data is not None or not self._slab.pending(job):    # a GPU stats-only site waits in the slab
+            self._slab.flush()
+            self._pending.acquire(job.nbytes)
+            self._prepare_q.put(job)
         return PendingSite(job, self._slab)
 
     def end_layer(self, run: str, layer: int) -> None:
@@ -518,7 +545,7 @@ class CaptureWriter:
         self._closed = True
         try:
             self._slab.flush()
-        except BaseException as e:  # noqa: BLE001 - the jobs waiting for these rows fail with it
+        except BaseException as e:  # noqa: BLE001 - the sites waiting for these rows are lost: the capture fails
             self._error = self._error or e
         self._prepare_q.put(None)
         for thread in self._threads:
@@ -576,13 +603,24 @@ class CaptureWriter:
         group.create_group("tensors", track_order=True)
         self._rows[run] = []
 
-    def _write_site(self, enc: _Encoded) -> None:
-        job = enc.job
+    def _add_row(self, job: _SiteJob, stored: bool) -> None:
         site_stats = stats_dict(job.stat_values(), job.dtype, job.shape)
         stats = dict(site_stats, shape=json.dumps(site_stats["shape"]),
                      first_nonfinite=json.dumps(site_stats.get("first_nonfinite")))
-        row = {**job.row, **stats, "stored": enc.dtype is not None}
+        row = {**job.row, **stats, "stored": stored}
         self._rows[job.run].append(tuple(row[name] for name in SITE_DTYPE.names))
+
+    def _write_batch(self, jobs: list[_SiteJob]) -> None:
+        """A slab flush: the statistics of all its sites at once; rows for the stats-only ones (a stored
+        site's row follows with its tensor, queued right after)."""
+        _combine_batch(jobs)
+        for job in jobs:
+            if job.data is None:
+                self._add_row(job, stored=False)
+
+    def _write_site(self, enc: _Encoded) -> None:
+        job = enc.job
+        self._add_row(job, stored=enc.dtype is not None)
         if enc.dtype is None:
             return
         tensors = self._file[f"runs/{job.run}/tensors"]
@@ -668,6 +706,11 @@ class _ByteBudget:
         with self.cond:
             self.used, self.limit = 0, 1 << 62
             self.cond.notify_all()
+
+
+def _site_stats_installed() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("cutlass") is not None and importlib.util.find_spec("dsv4_kernels") is not None
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:

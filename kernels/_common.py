@@ -13,6 +13,7 @@ only one: a process compiles each (kernel, config, arch) once, in ~0.1-0.5 s.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -109,7 +110,14 @@ def clear_cache() -> None:
 def device_arch(device) -> str:
     """CuTeDSL target of a CUDA device: sm_90a for Hopper, sm_100a for Blackwell B200/GB200."""
     import torch
-    major, minor = torch.cuda.get_device_capability(device)
+    index = device if isinstance(device, int) else torch.device(device).index
+    return _arch_of(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _arch_of(index: int) -> str:         # launchers ask on every call: the query costs ~3 us
+    import torch
+    major, minor = torch.cuda.get_device_capability(index)
     arch = {(9, 0): "sm_90a", (10, 0): "sm_100a"}.get((major, minor))
     if arch is None:
         raise RuntimeError(f"no CuTeDSL kernels are built for sm_{major}{minor} (targets: {', '.join(ARCHS)})")
@@ -142,10 +150,18 @@ def fake_stream():
     return make_fake_stream()
 
 
+_STREAMS: dict[int, Any] = {}
+
+
 def current_stream():
-    import cuda.bindings.driver as cuda
+    """torch's current CUDA stream as a CUstream (cached by handle: building one costs ~5 us a launch)."""
     import torch
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    handle = torch.cuda.current_stream().cuda_stream
+    stream = _STREAMS.get(handle)
+    if stream is None:
+        import cuda.bindings.driver as cuda
+        stream = _STREAMS[handle] = cuda.CUstream(handle)
+    return stream
 
 
 def check_numel(*tensors) -> None:

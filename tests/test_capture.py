@@ -460,6 +460,31 @@ def test_device_and_host_statistics_agree(dtype, monkeypatch):
     assert [device[i] for i in (4, 5, 7)] == pytest.approx([host[i] for i in (4, 5, 7)], rel=rel)
 
 
+def test_combine_segments_equals_combine_blocks_site_by_site(monkeypatch):
+    """A GPU capture combines a layer's statistics rows for all its sites at once (combine_segments): the same
+    values as combine_blocks site by site, for sites of one or several blocks, of different block sizes, empty,
+    all finite, with NaN/Inf in a later block (first index counted from the site's start), or nothing finite."""
+    from dsv4debug import tensorstats as ts
+    monkeypatch.setattr(ts, "DEVICE_CHUNK", 500)
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(n, generator=g) for n in (7, 1200, 0, 500, 1001, 64)]
+    tensors[1][777], tensors[1][1100] = float("nan"), float("inf")
+    tensors[4][:] = float("-inf")
+    tensors[4][3] = float("nan")
+    parts = [ts.device_stats(t).numpy() for t in tensors]
+    rows = np.concatenate([p for p in parts if len(p)])
+    counts = np.array([len(p) for p in parts])
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    numels = np.array([t.numel() for t in tensors])
+    got = ts.combine_segments(rows, starts, counts, numels, np.full(len(tensors), ts.DEVICE_CHUNK))
+    for i, (t, p) in enumerate(zip(tensors, parts)):
+        want = ts.combine_blocks(list(p), t.numel(), ts.DEVICE_CHUNK)
+        assert got[i].tolist() == pytest.approx(want, rel=1e-12, nan_ok=True), i
+    assert got[1][8] == 777 and got[4][8] == 0 and got[2][8] == -1
+    with pytest.raises(ValueError, match="consecutive"):
+        ts.combine_segments(rows, starts[::-1], counts[::-1], numels, numels)
+
+
 def _same_stats(got: dict, want: dict) -> bool:
     """Site statistics equal, NaN equal to NaN; sums (mean, std, l2) to float64 rounding."""
     def same(k):
@@ -499,13 +524,14 @@ def test_site_stats_kernel_equals_eager_statistics(dtype, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kernel", [False, True], ids=["eager", "site_stats"])
 def test_gpu_capture_rows_slab_gives_every_site_its_own_statistics(kernel, tmp_path, monkeypatch):
-    """A GPU capture writes its sites' statistics rows into one device slab, flushed in one copy: with a slab
-    too small for a layer (flushes mid-layer, a site larger than the slab), stored sites among stats-only
-    ones and a site's statistics asked for before the layer ends, every site still gets its own statistics,
-    those of tensor_stats."""
+    """A GPU capture writes its sites' statistics rows into one device slab, flushed in one copy and combined
+    a batch at a time: with a slab that grows and flushes within a layer (a site larger than its limit too),
+    stored sites among stats-only ones and a site's statistics asked for before the layer ends, every site
+    still gets its own statistics, those of tensor_stats, and the site table keeps execution order."""
     from dsv4debug import capture as cap
     from dsv4debug import tensorstats as ts
-    monkeypatch.setattr(cap._StatsSlab, "ROWS", 3)
+    monkeypatch.setattr(cap._StatsSlab, "ROWS", 2)                  # grows within a layer
+    monkeypatch.setattr(cap._StatsSlab, "MAX_ROWS", 3)              # and flushes within it
     g = torch.Generator(device="cuda").manual_seed(1)
     sites = {}
     for i in range(12):
@@ -522,6 +548,7 @@ def test_gpu_capture_rows_slab_gives_every_site_its_own_statistics(kernel, tmp_p
             x.fill_(1.0)                     # the writer took what it needs before record() returned
         w.end_layer("r", 0)
     with CaptureReader(path) as r:
+        assert r.sites("r") == list(sites)
         for site in sites:
             assert _same_stats(r.stats("r", site), want[site]), site
         assert r.tensor("r", "layers.0.s5").eq(1.0).sum() == 0
