@@ -12,6 +12,7 @@ Results go to benchmarks/results/reference-<device>.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -55,6 +56,20 @@ def bench_tiny_cpu(seq_len: int) -> dict:
     t = timed(lambda: dd.reference(model, tokens), "cpu", repeat=3)
     return {"case": f"tiny preset, {seq_len} tokens, full forward (bf16 reference)", "seconds": t,
             "target_seconds": 10.0, "threads": torch.get_num_threads(), "meets_target": t <= 10.0}
+
+
+class GcClock:
+    """A gc callback adding the time spent in garbage collections (and their count) to a dict."""
+
+    def __init__(self, into: dict):
+        self.into, self.t0 = into, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            self.into["gc"] += time.perf_counter() - self.t0
+            self.into["gc_runs"] += 1
 
 
 def layer_matmul_flops(cfg, layer: int, S: int, routed_tokens: int) -> float:
@@ -123,10 +138,29 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
         writers = {k: CaptureWriter(Path(tmp) / f"bench-{k}.h5", {"token_ids": ids.tolist()}, "stats", stats_kernel=k)
                    for k in kinds}
 
+        spent: dict[bool, dict[str, float]] = {}           # the last capture's host time, by part
+
         def captured(kernel: bool, rep: int) -> None:     # every site's stats, flushed at the layer's end
             writer, run = writers[kernel], f"rep{rep}"
-            forward(lambda ev: [writer.record(run, s, t, layer=layer) for s, t in ev.outputs])
-            writer.end_layer(run, layer)
+            part = spent[kernel] = {"record": 0.0, "end_layer": 0.0, "gc": 0.0, "gc_runs": 0}
+
+            def record(ev) -> None:
+                t0 = time.perf_counter()
+                for s, t in ev.outputs:
+                    writer.record(run, s, t, layer=layer)
+                part["record"] += time.perf_counter() - t0
+
+            gc_clock = GcClock(part)
+            gc.callbacks.append(gc_clock)
+            try:
+                t0 = time.perf_counter()
+                forward(record)
+                t1 = time.perf_counter()
+                writer.end_layer(run, layer)
+                part["end_layer"] = time.perf_counter() - t1
+                part["total"] = time.perf_counter() - t0
+            finally:
+                gc.callbacks.remove(gc_clock)
 
         for rep in range(REPEATS):
             t_plain = timed(forward, device)
@@ -142,6 +176,8 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
         for writer in writers.values():
             writer.abort()
     overhead = {k: statistics.median(v) - 1 for k, v in ratios.items()}
+    print("capture host time by part (the last capture, seconds):",
+          {("site_stats" if k else "eager"): v for k, v in spent.items()})
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
     rate = cublas_rate(device)
     flops = layer_matmul_flops(cfg, layer, seq_len, routed)
@@ -155,6 +191,7 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
             "stats_capture_seconds": t_capture[False], "capture_overhead": overhead["capture_False"],
             "stats_kernel_capture_seconds": t_capture.get(True),
             "stats_kernel_capture_overhead": overhead.get("capture_True"),
+            "capture_host_parts": {("site_stats" if k else "eager"): v for k, v in spent.items()},
             "capture_target": 0.03, "peak_gpu_gib": peak,
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None}
 
