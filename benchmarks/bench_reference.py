@@ -70,6 +70,7 @@ class GcClock:
         else:
             self.into["gc"] += time.perf_counter() - self.t0
             self.into["gc_runs"] += 1
+            self.into["gc_full_runs"] += info["generation"] == 2
 
 
 def layer_matmul_flops(cfg, layer: int, S: int, routed_tokens: int) -> float:
@@ -142,7 +143,7 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
 
         def captured(kernel: bool, rep: int) -> None:     # every site's stats, flushed at the layer's end
             writer, run = writers[kernel], f"rep{rep}"
-            part = spent[kernel] = {"record": 0.0, "end_layer": 0.0, "gc": 0.0, "gc_runs": 0}
+            part = spent[kernel] = {"record": 0.0, "end_layer": 0.0, "gc": 0.0, "gc_runs": 0, "gc_full_runs": 0}
 
             def record(ev) -> None:
                 t0 = time.perf_counter()
