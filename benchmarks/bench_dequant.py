@@ -4,7 +4,8 @@ matrices for each forward, which made it most of a reference layer's GPU time at
 
 Formulations, all checked bit-identical to eager dequantisation: eager (~10 passes with an int64 gather),
 the fused torch.compile'd graph for static shapes (what QWeight.dequantize(fused=True) runs on a GPU), and
-the same graph compiled for dynamic shapes.
+the same graph compiled for dynamic shapes. Then an expert's three matrices as three fused calls against one
+dequantize_all call (one compiled graph, one host dispatch): the reference forward is bound by the host.
 
     python benchmarks/bench_dequant.py --out DIR        # writes DIR/dequant.json (default: results/)
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -35,6 +37,18 @@ def gpu_seconds(fn, repeat: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def host_and_wall(fn, repeat: int = 20) -> dict[str, float]:
+    """Microseconds a call of fn: the calling thread's, and the wall time until the GPU is done."""
+    fn(), fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return {"host_us": host / repeat * 1e6, "wall_us": (time.perf_counter() - t0) / repeat * 1e6}
 
 
 def stored(fmt: str, w: torch.Tensor) -> list[torch.Tensor]:
@@ -70,12 +84,24 @@ def main() -> None:
             s = gpu_seconds(lambda fn=fn, tensors=tensors: fn(*tensors))
             rows.append({"format": fmt, "variant": name, "us": s * 1e6, "GB/s": moved / s / 1e9,
                          "of_copy_bandwidth": moved / s / copy_rate, "bit_identical": exact})
+    expert = []                      # an expert's w1, w3 [3072, 7168] and w2 [7168, 3072]: dispatches
+    for fmt in ("nvfp4", "mxfp4"):
+        names = F._DEQUANTIZERS[fmt][1]
+        ws = [F.QWeight(f"w{i}", fmt, dict(zip(names, F.nvfp4_quantize(m) if fmt == "nvfp4" else F.mxfp4_quantize(m))))
+              for i, m in enumerate((w, w, w.t().contiguous()))]
+        ways = {"three fused calls": lambda ws=ws: [q.dequantize(torch.bfloat16, "cuda", fused=True) for q in ws],
+                "one dequantize_all call": lambda ws=ws: F.dequantize_all(ws, torch.bfloat16, "cuda", fused=True)}
+        for name, fn in ways.items():
+            expert.append({"format": fmt, "variant": name, **host_and_wall(fn)})
     print(f"copy bandwidth (bf16 [{out_f}, {in_f}] copy_): {copy_rate / 1e9:.0f} GB/s")
     print(f"{'format':7} {'variant':24} {'us':>8} {'GB/s':>7} {'x copy':>7} exact")
     for r in rows:
         print(f"{r['format']:7} {r['variant']:24} {r['us']:8.1f} {r['GB/s']:7.0f} {r['of_copy_bandwidth']:7.2f} "
               f"{r['bit_identical']}")
-    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
+    print("an expert's three matrices, back to back (host: the calling thread's time a call)")
+    for r in expert:
+        print(f"{r['format']:7} {r['variant']:24} host {r['host_us']:8.1f} us  wall {r['wall_us']:8.1f} us")
+    result = {"expert_matrices": expert, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "shape": [out_f, in_f], "copy_GBps": copy_rate / 1e9, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "dequant.json").write_text(json.dumps(result, indent=1))

@@ -9,6 +9,7 @@ from dsv4debug.formats import (
     E4M3,
     E8M0,
     QWeight,
+    dequantize_all,
     e2m1_encode,
     fp8_block_dequantize,
     fp8_block_quantize,
@@ -242,6 +243,10 @@ def test_fused_dequantize_is_bit_identical_to_eager(device):
                 a, b = w.dequantize(dtype, device), w.dequantize(dtype, device, fused=True)
                 assert a.dtype == b.dtype == dtype and torch.equal(a.view(-1).view(torch.uint8),
                                                                    b.view(-1).view(torch.uint8)), (spec.name, dtype)
+        # several weights at once (an expert's three): one graph per format, the same values, in order
+        ws = [synth_module(cfg, spec, 1) for spec in specs[:5]]
+        together = dequantize_all(ws, torch.bfloat16, device, fused=True)
+        assert [bits_equal(t, w.dequantize(torch.bfloat16, device)) for t, w in zip(together, ws)] == [True] * 5
     w = synth_module(preset("tiny"), next(s for s in block_modules(preset("tiny"), 1) if s.fmt == "fp8"), 1)
     w.tensors["scale"].view(torch.uint8)[0, 0] = 255                   # e8m0 NaN
     a, b = w.dequantize(device=device), w.dequantize(device=device, fused=True)

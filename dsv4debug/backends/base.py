@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import QWeight
+from ..formats import QWeight, dequantize_all
 
 # op -> (family, reference function in dsv4_references, output names after the first)
 OPS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -94,6 +94,11 @@ class Backend:
         if w is None:
             return None
         return w.dequantize(dtype, self.device, fused=self.device.type == "cuda")
+
+    def dense_all(self, ws: tuple[QWeight, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        """dense() of several weights; on a GPU those of one block format in one fused call (an expert's
+        three matrices: one host dispatch instead of three)."""
+        return dequantize_all(ws, dtype, self.device, fused=self.device.type == "cuda")
 
     def param(self, w: QWeight | None) -> torch.Tensor | None:
         """Small parameters (norm weights, mHC, sinks, biases, ape) are held in fp32 as DeepSeek does."""

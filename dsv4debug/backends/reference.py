@@ -67,7 +67,7 @@ class ReferenceBackend(Backend):
 
     def expert(self, x, w1, w3, w2, route_w, *, limit):
         dt = x.dtype
-        return ref.expert(x, *(self.dense(w, dt) for w in (w1, w3, w2)), limit, route_w)
+        return ref.expert(x, *self.dense_all((w1, w3, w2), dt), limit, route_w)
 
     def moe_combine(self, n_tokens, expert_out, expert_tokens, shared):
         return ref.moe_combine(n_tokens, expert_out, expert_tokens, shared)

@@ -48,7 +48,7 @@ class SimBackend(ReferenceBackend):
         else:
             quant = fp8_act_quant
         dt = x.dtype
-        return ref.expert(x, *(self.dense(w, dt) for w in (w1, w3, w2)), limit, route_w, quant)
+        return ref.expert(x, *self.dense_all((w1, w3, w2), dt), limit, route_w, quant)
 
     def kv_cache(self, kv, *, rope_dim, qat):
         return ref.kv_qat(kv, rope_dim, enabled=True)       # the serving cache is FP8 whatever the QAT switch
