@@ -313,23 +313,22 @@ def main(argv: list[str] | None = None) -> dict:
                 res["per_layer_s"][name] = measured(f"forward_{name}", dev, res["steps"],
                                                     lambda b=backend: forward(model, ids, b, dev))
                 save()
-        for step in ("run", "capture"):
-            if step in steps:
-                clock = StageClock(dev)
-                capture = Path(tmp) / "run.h5" if step == "capture" else None
-                def partial(seconds, step=step):
-                    res.setdefault("unfinished", {})[step] = seconds
-                    save()
-                r = measured(step, dev, res["steps"], lambda c=capture, k=clock: run(model, ids, a, c, k, partial))
-                res.get("unfinished", {}).pop(step, None)
-                v = r.verdict
-                named = named_by(v)
-                res["steps"][step] |= {"status": v["status"], "logits_check": v.get("logits_check"),
-                                       "named_site": named.get("site"),
-                                       "named_layer": named.get("layer"), "delegated_ops": r.delegated_ops,
-                                       "declined_calls": r.declined_calls, "timings_s": r.timings,
-                                       "per_stage_s": clock.seconds}
+        for step in [s for s in a.steps.split(",") if s in ("run", "capture")]:   # in the order given
+            clock = StageClock(dev)
+            capture = Path(tmp) / "run.h5" if step == "capture" else None
+            def partial(seconds, step=step):
+                res.setdefault("unfinished", {})[step] = seconds
                 save()
+            r = measured(step, dev, res["steps"], lambda c=capture, k=clock: run(model, ids, a, c, k, partial))
+            res.get("unfinished", {}).pop(step, None)
+            v = r.verdict
+            named = named_by(v)
+            res["steps"][step] |= {"status": v["status"], "logits_check": v.get("logits_check"),
+                                   "named_site": named.get("site"),
+                                   "named_layer": named.get("layer"), "delegated_ops": r.delegated_ops,
+                                   "declined_calls": r.declined_calls, "timings_s": r.timings,
+                                   "per_stage_s": clock.seconds}
+            save()
         if "bisect" in steps:
             out = measured("bisect", dev, res["steps"], lambda: bisect(
                 model, ids, a.candidate, a.bisect_axis, device=dev, faults=faults))
