@@ -77,8 +77,9 @@ ROOT_ATTRS = (
     ("device", "str", "device the runs executed on (GPU name or cpu)"),
     ("torch_version", "str", "torch.__version__"),
     ("cutedsl_version", "str", 'nvidia-cutlass-dsl version, or "not installed"'),
-    ("gpu_statistics", "str", ('how GPU tensors\' statistics were computed: "site_stats kernel" (CuTeDSL, one '
-                               'launch a site; the default where CuTeDSL is installed) or "torch ops"')),
+    ("gpu_statistics", "str", ('how the writer computes the statistics of GPU tensors (if any are recorded): '
+                               '"site_stats kernel" (CuTeDSL, one launch a site; the default where CuTeDSL is '
+                               'installed) or "torch ops"')),
     ("save_policy", "str", "the SavePolicy text deciding which tensors were stored"),
     ("compression", "str", "chunk compression mode: fast | small (both decode with shuffle+deflate)"),
     ("json_keys", "str[]", "names of root attributes holding JSON text (decoded by the reader)"),
