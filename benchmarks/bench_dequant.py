@@ -19,24 +19,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from dsv4_kernels.check_attn import time_fn
 
 from dsv4debug import formats as F
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def gpu_seconds(fn, repeat: int = 20) -> float:
-    """Median CUDA-event time of fn (after two warm-up calls)."""
-    fn(), fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+def gpu_seconds(fn) -> float:
+    """Median CUDA-event time of fn, eager (the kernels checks' timer)."""
+    fn()
+    return time_fn(fn, graph=False)[0]
 
 
 def host_and_wall(fn, repeat: int = 20) -> dict[str, float]:
