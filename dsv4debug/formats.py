@@ -309,7 +309,7 @@ def dequantize_all(weights: Sequence[QWeight], dtype: torch.dtype, device: torch
 # ---- torch.compile with eager's rounding -------------------------------------------------------------------
 
 def exact_compile(fn: Callable, dynamic: bool = True) -> Callable:
-    """torch.compile(fn) (dynamic shapes, one graph) that rounds as eager does: precision casts emulated, which
+    """torch.compile(fn) (one graph; dynamic shapes unless `dynamic` is False) that rounds as eager does: precision casts emulated, which
     also keeps Triton from contracting a multiply and an add into an FMA. The recompile limit is raised: callers
     compile partials of one function (one code object, one cache of graphs) for every format and dtype, and
     fullgraph=True turns a hit limit into an error. The lookup tables are put on the arguments' devices first,
