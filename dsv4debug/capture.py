@@ -54,6 +54,7 @@ from .tensorstats import (
     device_blocks,
     dtype_name,
     host_blocks,
+    site_stats_installed,
     stats_dict,
 )
 
@@ -385,7 +386,7 @@ class CaptureWriter:
         self.path = Path(path)
         # GPU site statistics by the site_stats kernel (one launch a site) or torch ops (~20 launches);
         # None: the kernel where CuTeDSL is installed. Both give the same statistics (tests/test_capture.py).
-        self.stats_kernel = _site_stats_installed() if stats_kernel is None else stats_kernel
+        self.stats_kernel = site_stats_installed() if stats_kernel is None else stats_kernel
         self._slab = _StatsSlab(lambda jobs: self._submit(lambda: self._write_batch(jobs)))
         self.tmp_path = self.path.with_name(self.path.name + TMP_SUFFIX)
         self.policy = as_policy(policy)
@@ -707,11 +708,6 @@ class _ByteBudget:
         with self.cond:
             self.used, self.limit = 0, 1 << 62
             self.cond.notify_all()
-
-
-def _site_stats_installed() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("cutlass") is not None and importlib.util.find_spec("dsv4_kernels") is not None
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:

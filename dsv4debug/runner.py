@@ -236,7 +236,8 @@ class Comparator:
         self.order += 1
         r.ref_stats = _tensor_stats(out)
         self._set_bars(r)
-        self._note_nan(r, ev, out, self.runs["ref"], out)
+        if r.ref_stats["nan"]:                  # (Inf is judged against the reference: never its own)
+            self._note_nan(r, ev, out, self.runs["ref"], out)
 
     def _observe_other(self, ev: OpEvent, site: str, out: torch.Tensor) -> None:
         r = self.results[site]

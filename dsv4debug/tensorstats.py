@@ -10,6 +10,8 @@ block large.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,9 +73,18 @@ _EMPTY = [0, 0, math.nan, math.nan, math.nan, math.nan, math.nan, 0, -1]
 
 
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
-    """Statistics of any tensor, synchronously (tests, ad-hoc use)."""
-    values = combine_blocks(list(device_stats(t).cpu().numpy()), t.numel(), DEVICE_CHUNK)
-    return stats_dict(values, t.dtype, tuple(t.shape))
+    """Statistics of any tensor, synchronously (the runner's per-site statistics, tests): on a GPU by the
+    site_stats kernel where CuTeDSL is installed (one launch instead of ~18)."""
+    n, block, fill = device_blocks(t, kernel=t.is_cuda and site_stats_installed())
+    rows = torch.empty(n, len(PARTIALS), dtype=torch.float64, device=t.device)
+    fill(rows)
+    return stats_dict(combine_blocks(list(rows.cpu().numpy()), t.numel(), block), t.dtype, tuple(t.shape))
+
+
+@functools.cache
+def site_stats_installed() -> bool:
+    """Whether the CuTeDSL site_stats kernel can be imported (nvidia-cutlass-dsl and dsv4_kernels)."""
+    return importlib.util.find_spec("cutlass") is not None and importlib.util.find_spec("dsv4_kernels") is not None
 
 
 # ---------------------------------------------------------------------------------------------------------
