@@ -136,22 +136,18 @@ def _widen_bf16(bits: np.ndarray) -> np.ndarray:
 
 
 def combine_blocks(parts: Sequence[np.ndarray], numel: int, block: int) -> list[float]:
-    """STAT_VALUES from PARTIALS rows of consecutive blocks of `block` elements."""
-    if numel == 0:
+    """STAT_VALUES from PARTIALS rows of consecutive blocks of `block` elements (one site's combine_segments)."""
+    if numel == 0 or not len(parts):
         return list(_EMPTY)
-    p = np.stack(parts).astype(np.float64)
-    n_nan, n_finite, total, sumsq = (float(p[:, i].sum()) for i in (0, 1, 4, 5))
-    lo, hi = float(p[:, 2].min()), float(p[:, 3].max())
-    mean = total / n_finite if n_finite else math.nan
-    var = max((sumsq - total * mean) / max(n_finite - 1, 1), 0.0) if n_finite else math.nan
-    bad = [i * block + int(b[6]) for i, b in enumerate(parts) if b[6] >= 0]
-    return [n_nan, numel - n_finite - n_nan, lo, hi, mean, math.sqrt(var), max(abs(lo), abs(hi)),
-            math.sqrt(sumsq), bad[0] if bad else -1]
+    values = combine_segments(np.stack(parts), np.array([0]), np.array([len(parts)]), np.array([numel]),
+                              np.array([block]))[0].tolist()
+    values[8] = int(values[8])                                  # an index
+    return values
 
 
 def combine_segments(rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, numels: np.ndarray,
                      blocks: np.ndarray) -> np.ndarray:
-    """combine_blocks for many sites at once: site i owns rows[starts[i]:starts[i] + counts[i]] (consecutive
+    """STAT_VALUES of many sites at once: site i owns rows[starts[i]:starts[i] + counts[i]] (consecutive
     blocks of blocks[i] elements, numels[i] in all); returns float64 [sites, STAT_VALUES]. A few numpy passes
     for a whole layer, instead of a loop of Python work per site in the capture's writer thread."""
     out = np.empty((len(starts), len(STAT_VALUES)), dtype=np.float64)
