@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from bench_record import per_call
 from dsv4_kernels.check_attn import time_fn
 
 from dsv4debug import formats as F
@@ -30,18 +30,6 @@ def gpu_seconds(fn) -> float:
     """Median CUDA-event time of fn, eager (the kernels checks' timer)."""
     fn()
     return time_fn(fn, graph=False)[0]
-
-
-def host_and_wall(fn, repeat: int = 20) -> dict[str, float]:
-    """Microseconds a call of fn: the calling thread's, and the wall time until the GPU is done."""
-    fn(), fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return {"host_us": host / repeat * 1e6, "wall_us": (time.perf_counter() - t0) / repeat * 1e6}
 
 
 def stored(fmt: str, w: torch.Tensor) -> list[torch.Tensor]:
@@ -85,15 +73,15 @@ def main() -> None:
         ways = {"three fused calls": lambda ws=ws: [q.dequantize(torch.bfloat16, "cuda", fused=True) for q in ws],
                 "one dequantize_all call": lambda ws=ws: F.dequantize_all(ws, torch.bfloat16, "cuda", fused=True)}
         for name, fn in ways.items():
-            expert.append({"format": fmt, "variant": name, **host_and_wall(fn)})
+            expert.append({"format": fmt, "variant": name, **per_call(lambda i, fn=fn: fn(), calls=20)})
     print(f"copy bandwidth (bf16 [{out_f}, {in_f}] copy_): {copy_rate / 1e9:.0f} GB/s")
     print(f"{'format':7} {'variant':24} {'us':>8} {'GB/s':>7} {'x copy':>7} exact")
     for r in rows:
         print(f"{r['format']:7} {r['variant']:24} {r['us']:8.1f} {r['GB/s']:7.0f} {r['of_copy_bandwidth']:7.2f} "
               f"{r['bit_identical']}")
-    print("an expert's three matrices, back to back (host: the calling thread's time a call)")
+    print("an expert's three matrices, back to back (host: the calling thread's time a call; gpu: until done)")
     for r in expert:
-        print(f"{r['format']:7} {r['variant']:24} host {r['host_us']:8.1f} us  wall {r['wall_us']:8.1f} us")
+        print(f"{r['format']:7} {r['variant']:24} host {r['host_us']:8.1f} us  gpu {r['gpu_us']:8.1f} us")
     result = {"expert_matrices": expert, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "shape": [out_f, in_f], "copy_GBps": copy_rate / 1e9, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
