@@ -8,7 +8,8 @@ bit-identical to the full synthetic model). Measured, each step with its own pea
             and the layer's ops; synchronised at every stage boundary);
   run       `run` (reference vs candidate, per-op forcing and free, fp64 floors): total and per layer;
   capture   the same run with a stats capture of every site: the capture's overhead;
-  bisect    `bisect` over all stages (--bisect-axis): total time, probes, culprit.
+  bisect    `bisect` over all stages (--bisect-axis): total time, probes, culprit;
+  memory    `run` again, untimed, under the allocator's trace: what is live at its peak (memory_peak.py).
 Peak memory is compared with one layer's stored weights plus the hidden streams (what layer streaming
 promises: DESIGN.md "Running real models on one GPU"). --planted FAULT plants a fault in the candidate and
 checks that run and bisect name its layer (and run its site).
@@ -44,6 +45,9 @@ from dsv4debug.model import State, stages
 from dsv4debug.runner import candidate_backend
 from dsv4debug.schema import block_modules
 from dsv4debug.synth import SyntheticModel, make_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from memory_peak import LivePeak, print_summary  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -328,6 +332,12 @@ def main(argv: list[str] | None = None) -> dict:
                                    "named_layer": named.get("layer"), "delegated_ops": r.delegated_ops,
                                    "declined_calls": r.declined_calls, "timings_s": r.timings,
                                    "per_stage_s": clock.seconds}
+            save()
+        if "memory" in steps and dev.startswith("cuda"):      # untimed: recording stacks slows the run
+            with LivePeak() as lp:
+                run(model, ids, a, None, StageClock(dev), lambda seconds: None)
+            res["memory_at_peak"] = lp.summary()
+            print_summary(res["memory_at_peak"])
             save()
         if "bisect" in steps:
             out = measured("bisect", dev, res["steps"], lambda: bisect(

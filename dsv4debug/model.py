@@ -101,6 +101,7 @@ def attention(ctx: Ctx, cfg: ModelConfig, layer: int, x: torch.Tensor, freqs: to
         idx = assemble_idxs(idx, causal_compressed_idxs(S, ratio, device=x.device), S)
 
     o = ctx(p + "sparse_attn", "sparse_attn", q, kv, W(p + "attn_sink"), idx, scale=d ** -0.5)
+    del q                      # [S, H, d]: 0.5 GiB in the fp64 floor run at 1024 tokens, no longer needed
     o = ctx(p + "o_rope", "rope", o, freqs, inverse=True)                                # [S, H, d]
     z = ctx(p + "wo_a", "grouped_linear", o, W(p + "wo_a"), groups=cfg.o_groups)         # [S, G*R]
     return ctx(p + "wo_b", "linear", z, W(p + "wo_b"))                                   # [S, D]

@@ -301,6 +301,22 @@ def test_run_reads_each_module_once_for_all_sides(tiny, tokens):
     assert model.reads and set(model.reads.values()) == {1}, {n: c for n, c in model.reads.items() if c != 1}
 
 
+def test_rel_l2_in_chunks_is_the_whole_tensor_formula():
+    """rel_l2 sums in chunks (bounded temporaries): the same value as the whole-tensor formula, positions
+    non-finite on either side left out, chunk edges anywhere."""
+    from dsv4debug.runner import rel_l2
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(37, 11, generator=g).bfloat16()
+    other = (ref.float() + 0.01 * torch.randn(37, 11, generator=g)).bfloat16()
+    ref[3, 4], other[5, 6], other[7, 0] = float("nan"), float("inf"), float("nan")
+    r, o = ref.double(), other.double()
+    both = r.isfinite() & o.isfinite()
+    want = ((o - r)[both].norm() / r[both].norm()).item()
+    for chunk in (1, 7, 64, 1 << 22):
+        assert rel_l2(ref, other, chunk=chunk) == pytest.approx(want, rel=1e-12)
+    assert rel_l2(torch.zeros(4), torch.ones(4)) == 0.0
+
+
 def test_bisect_floor_is_the_fp64_against_bf16_logits(tiny, tokens):
     """A candidate is allowed the logits' bf16 noise, measured by the fp64 forward (not the bf16 forward
     against itself); the reference as candidate rounds identically and is allowed none."""
