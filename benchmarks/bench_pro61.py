@@ -9,7 +9,8 @@ bit-identical to the full synthetic model). Measured, each step with its own pea
   run       `run` (reference vs candidate, per-op forcing and free, fp64 floors): total and per layer;
   capture   the same run with a stats capture of every site: the capture's overhead;
   bisect    `bisect` over all stages (--bisect-axis): total time, probes, culprit;
-  memory    `run` again, untimed, under the allocator's trace: what is live at its peak (memory_peak.py).
+  memory    `run` with a capture again, untimed, under the allocator's trace: what is live at its peak
+            (memory_peak.py).
 Peak memory is compared with one layer's stored weights plus the hidden streams (what layer streaming
 promises: DESIGN.md "Running real models on one GPU"). --planted FAULT plants a fault in the candidate and
 checks that run and bisect name its layer (and run its site).
@@ -334,8 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
                                    "per_stage_s": clock.seconds}
             save()
         if "memory" in steps and dev.startswith("cuda"):      # untimed: recording stacks slows the run
-            with LivePeak() as lp:
-                run(model, ids, a, None, StageClock(dev), lambda seconds: None)
+            with LivePeak() as lp:                             # a captured run: the run's blocks and the capture's
+                run(model, ids, a, Path(tmp) / "memory.h5", StageClock(dev), lambda seconds: None)
             res["memory_at_peak"] = lp.summary()
             print_summary(res["memory_at_peak"])
             save()

@@ -97,13 +97,13 @@ def assemble_idxs(win: torch.Tensor, compressed: torch.Tensor | None, offset: in
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
-                chunk_bytes: int = 256 << 20) -> torch.Tensor:
+                chunk_bytes: int = 64 << 20) -> torch.Tensor:
     """MQA over gathered rows with a per-head sink logit.
 
     q [S, H, d], kv [N, d] (K = V), sink [H], idx [S, K] rows of kv (-1 = skip) -> o [S, H, d].
     o = sum_j exp(s_j - m) kv_j / (sum_j exp(s_j - m) + exp(sink - m)), s_j = q . kv_j * scale (fp32).
     Queries go in chunks whose gathered rows take about chunk_bytes (a Pro layer's fp64 floor gathers 4.7 MB
-    of rows per query).
+    of rows per query; a chunk's temporaries are ~3 times that, at a Pro run's peak of memory with 256 MiB).
     """
     out = torch.empty_like(q)
     chunk = max(1, chunk_bytes // (idx.size(1) * kv.size(1) * max(kv.element_size(), acc(q).itemsize)))
