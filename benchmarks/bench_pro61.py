@@ -333,6 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    "named_layer": named.get("layer"), "delegated_ops": r.delegated_ops,
                                    "declined_calls": r.declined_calls, "timings_s": r.timings,
                                    "per_stage_s": clock.seconds}
+            del r, v                   # its logits (1 GiB on the GPU) would count in the next step's peak
             save()
         if "memory" in steps and dev.startswith("cuda"):      # untimed: recording stacks slows the run
             with LivePeak() as lp:                             # a captured run: the run's blocks and the capture's

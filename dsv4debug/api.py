@@ -132,9 +132,12 @@ def run(model: Checkpoint, token_ids: torch.Tensor, candidate: str = "sim", refe
                       layers=parse_layers(layers, model.config), device=device, qat=qat,
                       floor_dtype=dtype_of(floor_dtype), faults=[parse_fault(f) for f in inject or []],
                       **({"budget": budget} if budget is not None else {}), **options)
+    from .capture import CaptureWriter, as_policy
+    as_policy(save)                                   # a bad policy fails before any work (BadInput)
     if capture is None:
+        if save != "stats":
+            raise BadInput(f"save policy {save!r} without a capture: pass capture=FILE (--capture) to store tensors")
         return run_side_by_side(model, token_ids, opts, progress=progress)
-    from .capture import CaptureWriter
     meta = capture_meta(model, token_ids, opts)
     writer = CaptureWriter(capture, meta, save, force=force)
     producers: dict[str, dict[int, str]] = {}    # run -> data_ptr -> site: names the inputs of each op

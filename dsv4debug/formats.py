@@ -265,6 +265,20 @@ class QWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def rows(self, a: int, b: int) -> QWeight:
+        """Output rows [a, b) of a linear's weight, scales alongside (views, no copy); a and b on the format's
+        scale blocks (fp8: 128 rows; b may also be the last row)."""
+        out = self.shape[0]
+        block = 128 if self.fmt == "fp8" else 1
+        if not (0 <= a < b <= out and a % block == 0 and (b % block == 0 or b == out)):
+            raise ValueError(f"{self.name}: rows [{a}, {b}) of {out} do not fall on {self.fmt}'s {block}-row blocks")
+
+        def cut(key: str, t: torch.Tensor) -> torch.Tensor:
+            if t.dim() == 0 or key in ("weight_scale_2", "input_scale"):       # per-tensor scalars
+                return t
+            return t[a // block:-(-b // block)] if (key == "scale" and self.fmt == "fp8") else t[a:b]
+        return QWeight(self.name, self.fmt, {k: cut(k, t) for k, t in self.tensors.items()})
+
     def dequantize(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                    fused: bool = False) -> torch.Tensor:
         """The exact logical values (float32 arithmetic), cast to `dtype`; plain tensors are just cast.

@@ -164,8 +164,12 @@ def _message(status: str, origin, symptom, bug) -> str:
         return "every site within its noise-floor budget"
     parts = []
     if bug:
-        parts.append(f"local error first exceeds its floor at {bug['site']} ({bug['x_floor']:.3g}x floor)")
+        parts.append(f"local error first exceeds its floor at {bug['site']} ({_times_floor(bug['x_floor'])})")
     if symptom:
         parts.append(f"accumulated error first exceeds its floor at {symptom['site']} "
-                     f"({symptom['x_floor']:.3g}x floor)")
+                     f"({_times_floor(symptom['x_floor'])})")
     return "; ".join(parts)
+
+
+def _times_floor(x: float) -> str:
+    return f"{x:.3g}x floor" if math.isfinite(x) else "non-finite error"

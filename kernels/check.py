@@ -416,6 +416,20 @@ class Checker:
                                   {"eager": _with_compiled(lambda i: K.reference_quantize(xs[i]),
                                                            lambda i: compiled(K.reference_quantize)(xs[i]))},
                                   nbytes))
+        # the same work kernel by kernel: the global amax (a read) and the quantise proper given g, each measured
+        # against the copy rate on its own bytes (the row above pays both passes over x)
+        self.add(exact_row("nvfp4", "amax (global scale)", _shape(S, n), K.amax(xs[0]),
+                           xs[0].float().abs().amax().reshape(1), "torch abs().amax()"),
+                 self._bench(lambda i: K.amax(xs[i]), {"eager": _with_compiled(
+                     lambda i: _abs_amax(xs[i]), lambda i: compiled(_abs_amax)(xs[i]))}, S * n * 2))
+        gs = [K.global_scale(x.float().abs().amax()) for x in xs]
+        given = K.quantize(xs[0], gs[0])
+        ok = all(bits_equal(a, b)[0] for a, b in zip(given, (codes, scales, g)))
+        self.add(Row("nvfp4", "quantise, given g", _shape(S, n), "bit-identical to the row above", ok),
+                 self._bench(lambda i: K.quantize(xs[i], gs[i]),
+                             {"eager": _with_compiled(lambda i: K.reference_quantize(xs[i], gs[i]),
+                                                      lambda i: compiled(K.reference_quantize)(xs[i], gs[i]))},
+                             nbytes))
         got = K.dequantize(codes, scales, g)
         self.add(exact_row("nvfp4", "dequantise", _shape(S, n), got, nvfp4_act_quant(xs[0]),
                            "sim.nvfp4_act_quant"),
@@ -541,6 +555,10 @@ class Checker:
                                                       lambda i: compiled(ref.hc_head)(xs[i], hfn, hscale, hbase,
                                                                                       neps, heps))},
                              S * M * D * 2 + S * D * 2))
+
+
+def _abs_amax(t):
+    return t.abs().amax()
 
 
 def _with_compiled(eager, compiled_fn):

@@ -226,6 +226,37 @@ def test_qweight_shapes_bytes_and_dequantize():
                                                                     plain.tensors[""])
 
 
+def test_qweight_rows_dequantize_to_the_rows_of_the_whole_and_refuse_split_blocks():
+    """QWeight.rows (the reference's row-chunked dense linears) cuts the scales with the weight, per format."""
+    w = torch.randn(300, 256)
+    packed, ws, s2 = nvfp4_quantize(w)
+    weights = [QWeight("a", "fp8", dict(zip(("weight", "scale"), fp8_block_quantize(w)))),
+               QWeight("b", "mxfp4", dict(zip(("weight", "scale"), mxfp4_quantize(w)))),
+               QWeight("c", "nvfp4", {"weight": packed, "weight_scale": ws, "weight_scale_2": s2}),
+               QWeight("d", "bf16", {"weight": w.bfloat16()})]
+    for q in weights:
+        whole = q.dequantize(torch.float64)
+        for a, b in ((0, 128), (128, 256), (256, 300)):
+            assert torch.equal(q.rows(a, b).dequantize(torch.float64), whole[a:b]), (q.fmt, a, b)
+    with pytest.raises(ValueError, match="128-row blocks"):
+        weights[0].rows(64, 192)
+
+
+def test_reference_linear_in_row_chunks_equals_the_whole(monkeypatch):
+    """Above DENSE_CHUNK_BYTES the reference linear dequantises and multiplies 128-row chunks: the same
+    product up to fp64 rounding (where a dense copy is 4x bf16's)."""
+    from dsv4debug.backends import reference as backend
+    w = torch.randn(640, 256)
+    q = QWeight("wo_b", "fp8", dict(zip(("weight", "scale"), fp8_block_quantize(w))))
+    x = torch.randn(5, 256, dtype=torch.float64)
+    be = backend.ReferenceBackend("cpu", torch.float64)
+    whole = be.linear(x, q)
+    monkeypatch.setattr(backend, "DENSE_CHUNK_BYTES", 256 * 8 * 200)          # 200 rows -> 128-row chunks
+    assert backend._dense_rows(q, torch.float64) == 128
+    assert (be.linear(x, q) - whole).abs().max() <= 1e-13 * whole.abs().max()    # BLAS blocking: fp64 rounding
+    assert backend._dense_rows(q, torch.bfloat16) == 640                      # bf16 copy fits: one piece
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def test_fused_dequantize_is_bit_identical_to_eager(device):

@@ -171,6 +171,9 @@ def test_cli_exit_codes(tiny_dir, tmp_path, capsys):
     assert code(*base, "--inject", "nan@layers.1.ffn.shared_experts") == 1
     assert code(*base, "--candidate", "nope") == 2
     assert code("run", str(tmp_path / "missing"), "--seq-len", "8") == 2
+    assert code(*base, "--save", "tokens:5:2", "--capture", str(tmp_path / "bad.h5")) == 2      # bad policy
+    assert code(*base, "--save", "full") == 2                      # tensors to store, but nowhere to store them
+    assert not (tmp_path / "bad.h5").exists() and not (tmp_path / "bad.h5.tmp").exists()
     capsys.readouterr()
     assert code(*base, "--json", "--capture", str(tmp_path / "c.h5")) == 0
     assert '"status": "clean"' in capsys.readouterr().out

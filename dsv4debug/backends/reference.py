@@ -8,6 +8,18 @@ from ..formats import QWeight
 from .base import Backend
 
 
+DENSE_CHUNK_BYTES = 256 << 20      # above it a dense weight is made and used in row chunks (the fp64 floors' linears
+                                   # and the fp32 head: the largest other Pro weight is 224 MiB in bf16)
+
+
+def _dense_rows(w: QWeight, dtype: torch.dtype) -> int:
+    """Output rows of w's dense copy in `dtype` per chunk: all of them, or 128-row blocks within DENSE_CHUNK_BYTES."""
+    out, inp = w.shape
+    if out * inp * dtype.itemsize <= DENSE_CHUNK_BYTES:
+        return out
+    return max(128, DENSE_CHUNK_BYTES // (inp * dtype.itemsize) // 128 * 128)
+
+
 class ReferenceBackend(Backend):
     name = "reference"
 
@@ -31,13 +43,23 @@ class ReferenceBackend(Backend):
         return ref.head_rms_norm(q, eps)
 
     def linear(self, x, w):
-        return ref.linear(x, self.dense(w, x.dtype))
+        return self._by_rows(w, x.dtype, x.dtype, lambda dense: ref.linear(x, dense))
 
     def grouped_linear(self, o, w, *, groups):
         return ref.grouped_linear(o, self.dense(w, o.dtype), groups)
 
     def logits(self, x, w):
-        return ref.linear_fp32(x, self.param(w))
+        wide = torch.promote_types(x.dtype, torch.float32)            # linear_fp32 widens the weight to it
+        return self._by_rows(w, torch.float32, wide, lambda dense: ref.linear_fp32(x, dense))
+
+    def _by_rows(self, w: QWeight, dtype: torch.dtype, used: torch.dtype, product) -> torch.Tensor:
+        """product(dense w in dtype) -> [..., out], or, when w's dense copy in `used` passes DENSE_CHUNK_BYTES,
+        the same from 128-row chunks (the fp64 floor's dense wo_b alone was 0.9 GiB at a Pro run's peak, its
+        head 7.4 GB)."""
+        rows, out = _dense_rows(w, used), w.shape[0]
+        if rows >= out:
+            return product(self.dense(w, dtype))
+        return torch.cat([product(self.dense(w.rows(a, min(a + rows, out)), dtype)) for a in range(0, out, rows)], -1)
 
     def rope(self, x, freqs, *, inverse=False):
         return ref.apply_rope(x, freqs, inverse)

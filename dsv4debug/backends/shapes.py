@@ -43,6 +43,9 @@ class ShapeBackend(ReferenceBackend):
     def dense(self, w, dtype):
         return None if w is None else torch.empty(w.tensors["shape"].shape, device=META, dtype=dtype)
 
+    def _by_rows(self, w, dtype, used, product):         # meta tensors take no memory: never in chunks
+        return product(self.dense(w, dtype))
+
     def embed(self, ids, w):
         return torch.empty(ids.numel(), self.cfg.dim, device=META, dtype=self.dtype)
 

@@ -40,6 +40,9 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+_SHORT_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "float16": "fp16"}
+
+
 # ---------------------------------------------------------------------------------------------------------
 def inspect(file: FileArg, as_json: JsonOpt = False) -> None:
     with CaptureReader(file) as reader:
@@ -53,14 +56,17 @@ def inspect(file: FileArg, as_json: JsonOpt = False) -> None:
     console.print(f"model {info['model']}, {info['tokens']} tokens, device {info['device']}, torch "
                   f"{info['torch_version']}, CuTeDSL {info['cutedsl_version']}; save policy "
                   f"[cyan]{info['save_policy']}[/], compression {info['compression']}")
-    table = Table("run", "backend", "dtype", "mode", "sites", "stored", "non-finite", "layers done", "stored",
-                  "tensor bytes")
+    # short cells, the run's name never cut: the table must read in 80 columns (a pipe, a CI log)
+    table = Table()
+    for heading in ("run", "backend", "dtype", "mode", "sites/stored", "non-finite", "layers", "MiB stored/all"):
+        table.add_column(heading, no_wrap=heading == "run")
     for r in info["runs"]:
         layers = r["layers_completed"]
         done = f"{len(layers)} (last {layers[-1]})" if layers else "0"
-        table.add_row(r["run"], str(r["backend"] or ""), str(r["dtype"] or ""), str(r["mode"] or ""),
-                      str(r["sites"]), str(r["stored"]), str(r["nonfinite_sites"]), done,
-                      _mib(r["stored_bytes"]), _mib(r["logical_bytes"]))
+        dtype = str(r["dtype"] or "")
+        table.add_row(r["run"], str(r["backend"] or ""), _SHORT_DTYPES.get(dtype, dtype), str(r["mode"] or ""),
+                      f"{r['sites']}/{r['stored']}", str(r["nonfinite_sites"]), done,
+                      f"{r['stored_bytes'] / 2**20:.1f}/{r['logical_bytes'] / 2**20:.1f}")
     console.print(table)
     console.print(f"metrics for: {', '.join(info['metrics_for']) or '-'}; floors: {info['floors']} sites; "
                   f"verdict: {info['verdict'] or '-'}")

@@ -68,8 +68,9 @@ def _print_verdict(result) -> None:
         if ops:
             out.print(f"[yellow]{label}: {', '.join(ops)}[/]", highlight=False)
     t = Table(title="verdict", show_lines=False)
+    named = [d["site"] for d in (v.get(k) for k in ("nan_origin", "first_local_divergence", "first_divergence")) if d]
     for col in ("", "site", "layer", "family", "error", "x floor", "tolerance"):
-        t.add_column(col)
+        t.add_column(col, **_site_width(named) if col == "site" else {})
     n = v.get("nan_origin")
     if n:
         t.add_row("NaN origin", n["site"], _fmt(n["layer"]), n["family"], f"{n['count']} non-finite",
@@ -87,10 +88,15 @@ def _print_verdict(result) -> None:
     if worst:
         w = Table(title="worst sites (x floor)")
         for col in ("site", "family", "error", "floor", "x floor"):
-            w.add_column(col)
+            w.add_column(col, **_site_width([row["site"] for row in worst[:8]]) if col == "site" else {})
         for row in worst[:8]:
             w.add_row(row["site"], row["family"], _fmt(row["error"]), _fmt(row["floor"]), _fmt(row["x_floor"]))
         out.print(w)
+
+
+def _site_width(sites: list[str]) -> dict:
+    """A site column that narrow terminals (and pipes: 80 columns) never cut: the name is what one acts on."""
+    return {"no_wrap": True, "min_width": max(map(len, sites), default=4)}
 
 
 def run(checkpoint: Path | None = CheckpointArg,
