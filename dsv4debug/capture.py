@@ -19,6 +19,7 @@ import os
 import queue
 import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -78,9 +79,10 @@ ROOT_ATTRS = (
     ("device", "str", "device the runs executed on (GPU name or cpu)"),
     ("torch_version", "str", "torch.__version__"),
     ("cutedsl_version", "str", 'nvidia-cutlass-dsl version, or "not installed"'),
-    ("gpu_statistics", "str", ('how the writer computes the statistics of GPU tensors (if any are recorded): '
-                               '"site_stats kernel" (CuTeDSL, one launch a site; the default where CuTeDSL is '
-                               'installed) or "torch ops"')),
+    ("gpu_statistics", "str", ('how the statistics of the GPU sites were computed: "site_stats kernel" (CuTeDSL, '
+                               'one launch a site; the default where CuTeDSL is installed), "torch ops", both with '
+                               'their counts (e.g. "site_stats kernel: 412 sites, torch ops: 24 sites", for tensors '
+                               'the kernel does not take), or "no GPU sites"')),
     ("save_policy", "str", "the SavePolicy text deciding which tensors were stored"),
     ("compression", "str", "chunk compression mode: fast | small (both decode with shuffle+deflate)"),
     ("json_keys", "str[]", "names of root attributes holding JSON text (decoded by the reader)"),
@@ -295,9 +297,11 @@ class _StatsSlab:
         self.slabs: dict[torch.device, torch.Tensor] = {}
         self.used: dict[torch.device, int] = {}
         self.waiting: list[tuple[_SiteJob, torch.device]] = []
+        self.sites_by: Counter[str] = Counter()           # GPU sites by how their statistics were made
 
     def add(self, job: _SiteJob, tensor: torch.Tensor, kernel: bool) -> None:
-        n, job.device_block, fill = device_blocks(tensor, kernel)
+        n, job.device_block, fill, by = device_blocks(tensor, kernel)
+        self.sites_by[by] += 1
         device = tensor.device
         if self.used.get(device, 0) + n > self.MAX_ROWS:
             self.flush()
@@ -398,7 +402,7 @@ class CaptureWriter:
         self._file = h5py.File(self.tmp_path, "w")
         _keep_metadata_in_cache(self._file)
         _set_root_attrs(self._file, meta, self.policy.text, compression)
-        self._file.attrs["gpu_statistics"] = "site_stats kernel" if self.stats_kernel else "torch ops"
+        self._file.attrs["gpu_statistics"] = _statistics_used(self._slab.sites_by)
         self._file.create_group("runs", track_order=True)
         self._file.flush()
         self._orders: dict[str, int] = {}
@@ -482,6 +486,7 @@ class CaptureWriter:
             self._file.close()                       # leaves path.tmp as it is
             self._raise_background_error()
         self._append_rows()
+        self._file.attrs["gpu_statistics"] = _statistics_used(self._slab.sites_by)
         self._file.attrs["complete"] = True
         self._file.close()
         _fsync(self.tmp_path)
@@ -724,6 +729,14 @@ def _check_writable(path: Path, tmp: Path, force: bool) -> None:
         raise BadInput(f"{path} exists; refusing to overwrite a capture (use --force / force=True)")
     if tmp.exists():
         raise BadInput(f"{tmp} exists: an unfinished capture (inspect or delete it; --force replaces it)")
+
+
+def _statistics_used(sites_by: Counter[str]) -> str:
+    if not sites_by:
+        return "no GPU sites"
+    if len(sites_by) == 1:
+        return next(iter(sites_by))
+    return ", ".join(f"{by}: {n} sites" for by, n in sorted(sites_by.items()))
 
 
 def _check_name(kind: str, name: str) -> None:

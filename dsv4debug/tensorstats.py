@@ -14,7 +14,7 @@ import functools
 import importlib.util
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -39,11 +39,21 @@ def device_stats(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([_device_partials(x[i:i + DEVICE_CHUNK]) for i in range(0, x.numel(), DEVICE_CHUNK)])
 
 
-def device_blocks(t: torch.Tensor, kernel: bool = False) -> tuple[int, int, Callable[[torch.Tensor], None]]:
-    """(PARTIALS rows, elements per row, fill) for t where it lives: fill(out) writes the rows into the float64
-    device tensor `out` [rows, PARTIALS] (a capture's slab of rows, so that no site allocates or copies its
-    own). By device_stats, or with `kernel` the one-launch CuTeDSL site_stats kernel where it takes t
-    (contiguous bf16/fp32 CUDA tensors of whole 16-byte vectors; needs nvidia-cutlass-dsl)."""
+class DeviceBlocks(NamedTuple):
+    rows: int                                   # PARTIALS rows
+    block: int                                  # elements per row
+    fill: Callable[[torch.Tensor], None]        # writes the rows into a float64 device tensor [rows, PARTIALS]
+    by: str                                     # KERNEL or TORCH_OPS
+
+
+KERNEL, TORCH_OPS = "site_stats kernel", "torch ops"
+
+
+def device_blocks(t: torch.Tensor, kernel: bool = False) -> DeviceBlocks:
+    """How t's PARTIALS rows are made where it lives; fill(out) writes them into `out` (a capture's slab of rows,
+    so that no site allocates or copies its own). By device_stats, or with `kernel` the one-launch CuTeDSL
+    site_stats kernel where it takes t (contiguous bf16/fp32 CUDA tensors of whole 16-byte vectors; needs
+    nvidia-cutlass-dsl)."""
     x = t.detach()
     if kernel and x.is_cuda:
         try:
@@ -51,8 +61,9 @@ def device_blocks(t: torch.Tensor, kernel: bool = False) -> tuple[int, int, Call
         except ImportError as e:
             raise RuntimeError(f"the site_stats kernel needs CuTeDSL (pip install -e '.[gpu]'): {e}") from None
         if stats.supports(x):
-            return stats.n_rows(x), stats.block_of(x), lambda out: stats.site_stats(x, out)
-    return max(-(-x.numel() // DEVICE_CHUNK), 0), DEVICE_CHUNK, lambda out: out.copy_(device_stats(x))
+            return DeviceBlocks(stats.n_rows(x), stats.block_of(x), lambda out: stats.site_stats(x, out), KERNEL)
+    return DeviceBlocks(max(-(-x.numel() // DEVICE_CHUNK), 0), DEVICE_CHUNK, lambda out: out.copy_(device_stats(x)),
+                        TORCH_OPS)
 
 
 def _device_partials(chunk: torch.Tensor) -> torch.Tensor:
@@ -75,7 +86,7 @@ _EMPTY = [0, 0, math.nan, math.nan, math.nan, math.nan, math.nan, 0, -1]
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     """Statistics of any tensor, synchronously (the runner's per-site statistics, tests): on a GPU by the
     site_stats kernel where CuTeDSL is installed (one launch instead of ~18)."""
-    n, block, fill = device_blocks(t, kernel=t.is_cuda and site_stats_installed())
+    n, block, fill, _ = device_blocks(t, kernel=t.is_cuda and site_stats_installed())
     rows = torch.empty(n, len(PARTIALS), dtype=torch.float64, device=t.device)
     fill(rows)
     return stats_dict(combine_blocks(list(rows.cpu().numpy()), t.numel(), block), t.dtype, tuple(t.shape))

@@ -122,6 +122,7 @@ def test_round_trip_stats_and_tensors(tmp_path):
         assert r.sites("reference") == list(tensors)
         assert r.run_attrs("reference")["backend"] == "reference"
         assert r.meta["model_config"] == {"name": "tiny"} and r.meta["token_ids"] == list(range(T))
+        assert r.meta["gpu_statistics"] == "no GPU sites"          # what was used, not what was configured
         for site, t in tensors.items():
             back = r.tensor("reference", site)
             assert back.dtype == t.dtype and back.shape == t.shape
@@ -509,8 +510,8 @@ def test_site_stats_kernel_equals_eager_statistics(dtype, tmp_path):
         for i, v in zip(bad, [float("nan"), float("inf"), -float("inf")] * n):
             x[i] = v
         x = x.to(dtype)
-        rows, block, fill = ts.device_blocks(x, kernel=True)
-        assert block != ts.DEVICE_CHUNK                         # the kernel runs, not the eager fallback
+        rows, block, fill, by = ts.device_blocks(x, kernel=True)
+        assert by == ts.KERNEL and block != ts.DEVICE_CHUNK     # the kernel runs, not the eager fallback
         out = torch.full((rows, len(ts.PARTIALS)), 7.0, dtype=torch.float64, device="cuda")
         fill(out)
         got = ts.combine_blocks(list(out.cpu().numpy()), n, block)
