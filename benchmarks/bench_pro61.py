@@ -48,7 +48,7 @@ from dsv4debug.schema import block_modules
 from dsv4debug.synth import SyntheticModel, make_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from memory_peak import LivePeak, print_summary  # noqa: E402
+from memory_peak import LivePeak, print_summary
 
 
 def sync(device: str) -> None:

@@ -7,7 +7,6 @@ import torch
 from ..formats import QWeight
 from .base import Backend
 
-
 DENSE_CHUNK_BYTES = 256 << 20      # above it a dense weight is made and used in row chunks (the fp64 floors' linears
                                    # and the fp32 head: the largest other Pro weight is 224 MiB in bf16)
 
