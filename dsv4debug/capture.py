@@ -82,7 +82,8 @@ ROOT_ATTRS = (
     ("gpu_statistics", "str", ('how the statistics of the GPU sites were computed: "site_stats kernel" (CuTeDSL, '
                                'one launch a site; the default where CuTeDSL is installed), "torch ops", both with '
                                'their counts (e.g. "site_stats kernel: 412 sites, torch ops: 24 sites", for tensors '
-                               'the kernel does not take), or "no GPU sites"')),
+                               'the kernel does not take), or "no GPU sites"; "not known: the capture was not '
+                               'closed" in a file whose writer was killed')),
     ("save_policy", "str", "the SavePolicy text deciding which tensors were stored"),
     ("compression", "str", "chunk compression mode: fast | small (both decode with shuffle+deflate)"),
     ("json_keys", "str[]", "names of root attributes holding JSON text (decoded by the reader)"),
@@ -402,7 +403,7 @@ class CaptureWriter:
         self._file = h5py.File(self.tmp_path, "w")
         _keep_metadata_in_cache(self._file)
         _set_root_attrs(self._file, meta, self.policy.text, compression)
-        self._file.attrs["gpu_statistics"] = _statistics_used(self._slab.sites_by)
+        self._file.attrs["gpu_statistics"] = UNCLOSED_STATISTICS      # a killed writer leaves this
         self._file.create_group("runs", track_order=True)
         self._file.flush()
         self._orders: dict[str, int] = {}
@@ -485,8 +486,7 @@ class CaptureWriter:
         if self._error is not None:
             self._file.close()                       # leaves path.tmp as it is
             self._raise_background_error()
-        self._append_rows()
-        self._file.attrs["gpu_statistics"] = _statistics_used(self._slab.sites_by)
+        self._finish_rows()
         self._file.attrs["complete"] = True
         self._file.close()
         _fsync(self.tmp_path)
@@ -498,7 +498,7 @@ class CaptureWriter:
         if not self._closed:
             self._stop()
             if self._error is None:
-                self._append_rows()
+                self._finish_rows()
             self._file.close()
         return self.tmp_path
 
@@ -644,6 +644,11 @@ class CaptureWriter:
         if job.token_slice is not None:
             dset.attrs["token_slice"] = np.asarray(job.token_slice, dtype=np.int64)
 
+    def _finish_rows(self) -> None:
+        """The last site rows, and how the GPU sites' statistics were made (once the writer is stopped)."""
+        self._append_rows()
+        self._file.attrs["gpu_statistics"] = _statistics_used(self._slab.sites_by)
+
     def _append_rows(self) -> None:
         for run, rows in self._rows.items():
             if rows:
@@ -729,6 +734,9 @@ def _check_writable(path: Path, tmp: Path, force: bool) -> None:
         raise BadInput(f"{path} exists; refusing to overwrite a capture (use --force / force=True)")
     if tmp.exists():
         raise BadInput(f"{tmp} exists: an unfinished capture (inspect or delete it; --force replaces it)")
+
+
+UNCLOSED_STATISTICS = "not known: the capture was not closed"
 
 
 def _statistics_used(sites_by: Counter[str]) -> str:

@@ -281,6 +281,7 @@ def test_kill_9_leaves_readable_file_with_finished_layers(tmp_path):
     assert not path.exists()
     with CaptureReader(f"{path}.tmp") as r:
         assert not r.complete
+        assert r.meta["gpu_statistics"] == "not known: the capture was not closed"    # never a guess
         done = r.layers_completed("reference")
         assert done[:len(ended)] == ended
         sites = r.sites("reference")
@@ -313,6 +314,7 @@ def test_exception_in_block_leaves_incomplete_tmp(tmp_path):
     assert not path.exists()
     with CaptureReader(f"{path}.tmp") as r:
         assert not r.complete and r.sites("reference") == ["embed"]
+        assert r.meta["gpu_statistics"] == "no GPU sites"                # stopped by abort(): what it used
     with pytest.raises(BadInput, match="unfinished"):
         CaptureWriter(path, meta())
 
