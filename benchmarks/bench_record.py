@@ -43,18 +43,25 @@ def per_call(fn, calls: int = CALLS) -> dict[str, float]:
 
 
 def stats_calls(shape) -> list[tuple[str, dict[str, float]]]:
-    """A site's statistics, eager and by the site_stats kernel, with a matmul launch for scale."""
-    from cutlass import Float64, Int32
+    """A site's statistics, eager and by the site_stats kernel (one tensor a launch, and 64 sites a launch
+    as a capture batches them: per site), with a matmul launch for scale."""
+    from cutlass import Float64, Int32, Int64
     from dsv4_kernels import _common, stats
     x = torch.randn(*shape, device="cuda").bfloat16()
     w = torch.randn(shape[1], 64, device="cuda").bfloat16()
-    out = torch.empty(stats.n_rows(x), 7, dtype=torch.float64, device="cuda")
+    batch = [torch.randn(*shape, device="cuda").bfloat16() for _ in range(64)]
+    firsts = [i * stats.n_rows(x) for i in range(64)]
+    out = torch.empty(64 * stats.n_rows(x), 7, dtype=torch.float64, device="cuda")
     fn = _common.compile_kernel("site_stats", "sm_90a", dtype="bf16")
-    args = (_common.ptr(x), _common.ptr(out, Float64, 8), Int32(x.numel() // 8), Int32(out.shape[0]),
+    table = torch.from_numpy(stats._table([x.data_ptr()], [x.numel() // 8], [0])).cuda()
+    args = (_common.ptr(table, Int64, 8), _common.ptr(out, Float64, 8), Int32(table.shape[0]), Int32(out.shape[0]),
             _common.current_stream())
+    one_call_of_64 = per_call(lambda i: stats.site_stats(batch, firsts, out), calls=CALLS // 8)
     return [("matmul [.., 7168] @ [7168, 64] (a launch, for scale)", per_call(lambda i: x @ w)),
             ("eager device_stats", per_call(lambda i: ts.device_stats(x))),
-            ("site_stats kernel, launcher", per_call(lambda i: stats.site_stats(x, out))),
+            ("site_stats kernel, launcher, one site", per_call(lambda i: stats.site_stats([x], [0], out))),
+            ("site_stats kernel, launcher, 64 sites a call (per site)",
+             {k: v / 64 for k, v in one_call_of_64.items()}),
             ("site_stats kernel, compiled function only", per_call(lambda i: fn(*args)))]
 
 

@@ -3,9 +3,10 @@ per-run table and, by policy, its tensor. Layout and attributes are documented i
 tables there are generated from ROOT_ATTRS, RUN_ATTRS, SITE_COLUMNS ... below (`python -m
 dsv4debug.capture --doc`).
 
-Writing is asynchronous: `record` starts the statistics (on a GPU tensor the site_stats kernel, or torch
-ops, writing into a slab of rows that moves to the host in one copy per layer; numpy tasks on a worker pool
-for a host tensor) and the device->host copy of a stored tensor, then returns; a prepare thread has the pool
+Writing is asynchronous: `record` starts the statistics (a GPU tensor waits for the site_stats kernel to take
+a batch of sites in one launch, or for torch ops, writing into a slab of rows that moves to the host in one
+copy per layer; numpy tasks on a worker pool for a host tensor) and the device->host copy of a stored tensor,
+then returns; a prepare thread has the pool
 shuffle, compress and hash the chunks; a writer thread, the only one touching HDF5, writes them with
 `write_direct_chunk` and appends the site rows at each `end_layer`, which returns once everything recorded
 so far is flushed: a process killed afterwards leaves those layers readable.
@@ -52,8 +53,9 @@ from .tensorstats import (
     block_stats,
     combine_blocks,
     combine_segments,
-    device_blocks,
+    device_rows,
     dtype_name,
+    fill_device_rows,
     host_blocks,
     site_stats_installed,
     stats_dict,
@@ -283,44 +285,73 @@ class _SiteJob:
 
 
 class _StatsSlab:
-    """GPU site statistics without a transfer, an event or a queued item per site. Each site's PARTIALS rows
-    are written into one device slab (grown as needed); flush() moves every row recorded since the last flush
-    to pinned host memory in one copy (the slab is reused behind it, in stream order) and hands the writer
-    thread the batch of waiting sites, whose statistics it combines in a few numpy passes
-    (combine_segments). A stats-only site then costs the calling thread its statistics kernel and a little
-    bookkeeping. The writer flushes at the end of a layer, before it queues any other site (the site table
-    keeps execution order), when the slab would pass MAX_ROWS and when a site's statistics are asked for."""
+    """GPU site statistics without a transfer, an event, a queued item or a launch per site. Each site's
+    PARTIALS rows have their place in one device slab (grown as needed); record() reserves them and keeps the
+    tensor, and launch() writes the rows of every site waiting so far in one site_stats launch per dtype (the
+    kernel reads many tensors through a table), once DEFER_BYTES of tensors wait, and before any flush.
+    flush() moves every row recorded since the last flush to pinned host memory in one copy (the slab is
+    reused behind it, in stream order) and hands the writer thread the batch of waiting sites, whose
+    statistics it combines in a few numpy passes (combine_segments). A stats-only site then costs the calling
+    thread a little bookkeeping. The writer flushes at the end of a layer, before it queues any other site
+    (the site table keeps execution order), when the slab would pass MAX_ROWS and when a site's statistics
+    are asked for.
+
+    A waiting tensor must not change in place until its launch (the model flow's outputs do not): its
+    version counter is checked then, and a change is an error naming the site. `defer=False` launches at
+    every record() instead, for outputs of code that may reuse them in place (dsv4debug.hooks)."""
 
     ROWS, MAX_ROWS = 8192, 1 << 20                      # 0.4 MiB to start; 56 MiB at most
+    DEFER_BYTES = 256 << 20                             # tensors kept alive, at most, for a batched launch
 
-    def __init__(self, submit: Callable[[list[_SiteJob]], None]):
-        self.submit = submit
+    def __init__(self, submit: Callable[[list[_SiteJob]], None], defer: bool = True):
+        self.submit, self.defer = submit, defer
         self.slabs: dict[torch.device, torch.Tensor] = {}
         self.used: dict[torch.device, int] = {}
         self.waiting: list[tuple[_SiteJob, torch.device]] = []
+        self.unlaunched: list[tuple[_SiteJob, torch.Tensor, int, int, str]] = []   # job, tensor, version, row, by
+        self.unlaunched_bytes = 0
         self.sites_by: Counter[str] = Counter()           # GPU sites by how their statistics were made
 
     def add(self, job: _SiteJob, tensor: torch.Tensor, kernel: bool) -> None:
-        n, job.device_block, fill, by = device_blocks(tensor, kernel)
+        n, job.device_block, by = device_rows(tensor, kernel)
         self.sites_by[by] += 1
         device = tensor.device
         if self.used.get(device, 0) + n > self.MAX_ROWS:
             self.flush()
         start = self.used.get(device, 0)
         slab = self.slabs.get(device)
-        if slab is None or slab.shape[0] < start + n:
+        if slab is None or slab.shape[0] < start + n:   # rows not yet launched are written into the new slab
             grown = torch.empty(max(self.ROWS, 2 * (start + n)), len(PARTIALS), dtype=torch.float64, device=device)
             if start:
                 grown[:start].copy_(slab[:start])
-            slab = self.slabs[device] = grown
-        fill(slab[start:start + n])
+            self.slabs[device] = grown
         self.used[device] = start + n
         job.device_rows = (None, start, n, None)
         self.waiting.append((job, device))
+        self.unlaunched.append((job, tensor, tensor._version, start, by))
+        self.unlaunched_bytes += tensor.numel() * tensor.element_size()
+        if not self.defer or self.unlaunched_bytes >= self.DEFER_BYTES:
+            self.launch()
+
+    def launch(self) -> None:
+        """Write the rows of every site recorded since the last launch (a few launches for all of them)."""
+        for job, tensor, version, _, _ in self.unlaunched:
+            if tensor._version != version:
+                raise RuntimeError(f"site {job.row['site']!r} of run {job.run!r} was modified in place after "
+                                   "record(), before its statistics were taken; record a copy, or capture with "
+                                   "defer_stats=False")
+        by_device: dict[torch.device, list[tuple[torch.Tensor, int, str]]] = {}
+        for _, tensor, _, start, by in self.unlaunched:
+            by_device.setdefault(tensor.device, []).append((tensor, start, by))
+        for device, items in by_device.items():
+            fill_device_rows(items, self.slabs[device])
+        self.unlaunched.clear()
+        self.unlaunched_bytes = 0
 
     def flush(self) -> None:
         if not self.waiting:
             return
+        self.launch()
         jobs = [job for job, _ in self.waiting]
         copies = {}
         for device, used in self.used.items():
@@ -387,12 +418,14 @@ class CaptureWriter:
 
     def __init__(self, path: str | Path, meta: Mapping[str, Any], policy: SavePolicy | str = "stats",
                  force: bool = False, compression: str = "fast", workers: int | None = None,
-                 max_pending_bytes: int = 2 << 30, stats_kernel: bool | None = None):
+                 max_pending_bytes: int = 2 << 30, stats_kernel: bool | None = None, defer_stats: bool = True):
         self.path = Path(path)
-        # GPU site statistics by the site_stats kernel (one launch a site) or torch ops (~20 launches);
-        # None: the kernel where CuTeDSL is installed. Both give the same statistics (tests/test_capture.py).
+        # GPU site statistics by the site_stats kernel (a launch per batch of sites) or torch ops (~20 launches
+        # a site); None: the kernel where CuTeDSL is installed. Both give the same statistics
+        # (tests/test_capture.py). defer_stats: batch the sites' launches; their tensors must then not change
+        # in place until end_layer (_StatsSlab)
         self.stats_kernel = site_stats_installed() if stats_kernel is None else stats_kernel
-        self._slab = _StatsSlab(lambda jobs: self._submit(lambda: self._write_batch(jobs)))
+        self._slab = _StatsSlab(lambda jobs: self._submit(lambda: self._write_batch(jobs)), defer_stats)
         self.tmp_path = self.path.with_name(self.path.name + TMP_SUFFIX)
         self.policy = as_policy(policy)
         if compression not in COMPRESSIONS:
@@ -517,8 +550,9 @@ class CaptureWriter:
         if token_dim is None:
             token_dim = len(shape) > 0 and shape[0] == self.n_tokens
         store, token_slice = self.policy.decide(site, shape, bool(token_dim) and len(shape) > 0)
+        # inputs and attrs become JSON in the writer thread (_add_row): the caller's thread is the forward's
         row = {"site": site, "order": self._orders[run], "layer": int(layer), "family": family,
-               "inputs": json.dumps(list(inputs)), "attrs": json.dumps(dict(extra), default=_json_default)}
+               "inputs": list(inputs), "attrs": dict(extra)}
         job = _SiteJob(run, row, tensor.dtype, shape, None, token_slice, 0)
         source = tensor.detach()
         if tensor.is_cuda:
@@ -614,7 +648,8 @@ class CaptureWriter:
         site_stats = stats_dict(job.stat_values(), job.dtype, job.shape)
         stats = dict(site_stats, shape=json.dumps(site_stats["shape"]),
                      first_nonfinite=json.dumps(site_stats.get("first_nonfinite")))
-        row = {**job.row, **stats, "stored": stored}
+        row = {**job.row, **stats, "stored": stored, "inputs": json.dumps(job.row["inputs"]),
+               "attrs": json.dumps(job.row["attrs"], default=_json_default)}
         self._rows[job.run].append(tuple(row[name] for name in SITE_DTYPE.names))
 
     def _write_batch(self, jobs: list[_SiteJob]) -> None:

@@ -191,7 +191,9 @@ class HookCapture:
         if "device" not in meta and param is not None:
             meta["device"] = (torch.cuda.get_device_name(param.device) if param.device.type == "cuda"
                               else str(param.device))
-        self._writer = CaptureWriter(self.path, meta, self.policy, force=self.force, compression=self.compression)
+        # an engine may reuse a module's output in place (vLLM's fused residual norms): statistics at record()
+        self._writer = CaptureWriter(self.path, meta, self.policy, force=self.force, compression=self.compression,
+                                     defer_stats=False)
         self._param_dtype = str(param.dtype).removeprefix("torch.") if param is not None else ""
 
     # ---- hooks ----------------------------------------------------------------------------------------

@@ -3,17 +3,17 @@
 Two implementations produce the same per-block partial sums (PARTIALS), which `combine_blocks` turns into
 the statistics on the host: `device_stats` runs torch ops where the tensor lives (on a GPU: about 18 small
 kernels, no sync, one small tensor to move to the host), `block_stats` runs numpy on one 1-D block of a host
-tensor in a worker thread, with the GIL released; `device_blocks(kernel=True)` has the CuTeDSL site_stats
-kernel (kernels/stats.py) produce them in one launch instead. Sums are float64, so squares cannot overflow
-(the host's bf16 blocks sum in float32 where their magnitudes rule overflow out), and temporaries stay one
-block large.
+tensor in a worker thread, with the GIL released; `device_rows(kernel=True)` and `fill_device_rows` have the
+CuTeDSL site_stats kernel (kernels/stats.py) produce them instead, many tensors in one launch. Sums are
+float64, so squares cannot overflow (the host's bf16 blocks sum in float32 where their magnitudes rule overflow
+out), and temporaries stay one block large.
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -39,31 +39,45 @@ def device_stats(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([_device_partials(x[i:i + DEVICE_CHUNK]) for i in range(0, x.numel(), DEVICE_CHUNK)])
 
 
-class DeviceBlocks(NamedTuple):
+class DeviceRows(NamedTuple):
     rows: int                                   # PARTIALS rows
     block: int                                  # elements per row
-    fill: Callable[[torch.Tensor], None]        # writes the rows into a float64 device tensor [rows, PARTIALS]
     by: str                                     # KERNEL or TORCH_OPS
 
 
 KERNEL, TORCH_OPS = "site_stats kernel", "torch ops"
 
 
-def device_blocks(t: torch.Tensor, kernel: bool = False) -> DeviceBlocks:
-    """How t's PARTIALS rows are made where it lives; fill(out) writes them into `out` (a capture's slab of rows,
-    so that no site allocates or copies its own). By device_stats, or with `kernel` the one-launch CuTeDSL
+def device_rows(t: torch.Tensor, kernel: bool = False) -> DeviceRows:
+    """How t's PARTIALS rows are made where it lives: by device_stats, or with `kernel` by the CuTeDSL
     site_stats kernel where it takes t (contiguous bf16/fp32 CUDA tensors of whole 16-byte vectors; needs
-    nvidia-cutlass-dsl)."""
-    x = t.detach()
-    if kernel and x.is_cuda:
-        try:
-            from dsv4_kernels import stats
-        except ImportError as e:
-            raise RuntimeError(f"the site_stats kernel needs CuTeDSL (pip install -e '.[gpu]'): {e}") from None
-        if stats.supports(x):
-            return DeviceBlocks(stats.n_rows(x), stats.block_of(x), lambda out: stats.site_stats(x, out), KERNEL)
-    return DeviceBlocks(max(-(-x.numel() // DEVICE_CHUNK), 0), DEVICE_CHUNK, lambda out: out.copy_(device_stats(x)),
-                        TORCH_OPS)
+    nvidia-cutlass-dsl), which does many tensors in one launch (fill_device_rows)."""
+    if kernel and t.is_cuda:
+        stats = _site_stats_module()
+        if stats.supports(t):
+            return DeviceRows(stats.n_rows(t), stats.block_of(t), KERNEL)
+    return DeviceRows(-(-t.numel() // DEVICE_CHUNK), DEVICE_CHUNK, TORCH_OPS)
+
+
+def fill_device_rows(items: Sequence[tuple[torch.Tensor, int, str]], out: torch.Tensor) -> None:
+    """Write the PARTIALS rows of each (tensor, first row, by) of device_rows into `out` (float64 [rows, PARTIALS]
+    where the tensors live; a capture's slab of rows, so that no site allocates or copies its own): the
+    kernel's tensors in one site_stats launch per dtype, the others by device_stats. Nothing waits."""
+    batch = [(t, first) for t, first, by in items if by == KERNEL]
+    if batch:
+        _site_stats_module().site_stats([t for t, _ in batch], [first for _, first in batch], out)
+    for t, first, by in items:
+        if by == TORCH_OPS and t.numel():
+            rows = device_stats(t)
+            out[first:first + rows.shape[0]].copy_(rows)
+
+
+def _site_stats_module():
+    try:
+        from dsv4_kernels import stats
+    except ImportError as e:
+        raise RuntimeError(f"the site_stats kernel needs CuTeDSL (pip install -e '.[gpu]'): {e}") from None
+    return stats
 
 
 def _device_partials(chunk: torch.Tensor) -> torch.Tensor:
@@ -86,9 +100,9 @@ _EMPTY = [0, 0, math.nan, math.nan, math.nan, math.nan, math.nan, 0, -1]
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     """Statistics of any tensor, synchronously (the runner's per-site statistics, tests): on a GPU by the
     site_stats kernel where CuTeDSL is installed (one launch instead of ~18)."""
-    n, block, fill, _ = device_blocks(t, kernel=t.is_cuda and site_stats_installed())
+    n, block, by = device_rows(t, kernel=t.is_cuda and site_stats_installed())
     rows = torch.empty(n, len(PARTIALS), dtype=torch.float64, device=t.device)
-    fill(rows)
+    fill_device_rows([(t.detach(), 0, by)], rows)
     return stats_dict(combine_blocks(list(rows.cpu().numpy()), t.numel(), block), t.dtype, tuple(t.shape))
 
 

@@ -1,19 +1,22 @@
-"""A capture site's statistics in one launch: the PARTIALS of dsv4debug.tensorstats, one row per CTA.
+"""Capture sites' statistics, many sites in one launch: the PARTIALS of dsv4debug.tensorstats, one row per CTA.
 
-Eager torch takes about 20 small kernels a site (masks, where, six reductions, casts, a stack), about 1 ms of
-launches and dispatch per site; a Pro layer records ~436 sites, so a stats-only capture cost 2.3x the
-forward on the H200. This kernel reads the tensor once: each CTA takes a contiguous block of BLOCK elements
-(128-bit loads, consecutive threads on consecutive vectors) and writes one float64 row of
-(nan_count, finite_count, min, max, sum, sum_sq, first non-finite index in the block or -1); the host combines
-the rows with `tensorstats.combine_blocks(rows, numel, block)`, as it does the eager chunks. Counts, extremes
-and the first index are exact; sums accumulate the fp32 values (exact for bf16 and fp32) in float64 per thread,
-then through a shared-memory tree, so they match eager's float64 sums to rounding.
+Eager torch takes about 20 small kernels a site (masks, where, six reductions, casts, a stack), and even one
+launch a site costs the calling thread ~55 us of launcher: a Pro layer records ~430 sites and its forward is
+bound by the host's launches, so a capture's statistics must be launched a batch of sites at a time. This
+kernel works from a table with one row per CTA, (address of its block, vectors in it, output row): each CTA
+reads a contiguous block of up to BLOCK_VECTORS 16-byte vectors (consecutive threads on consecutive vectors)
+of whichever tensor the row points into and writes one float64 row of (nan_count, finite_count, min, max, sum,
+sum_sq, first non-finite index in the block or -1) at its output row. A site's rows are its consecutive
+blocks, which the host combines with `tensorstats.combine_segments` as it does the eager chunks. Counts,
+extremes and the first index are exact; sums accumulate the fp32 values (exact for bf16 and fp32) in float64
+per thread, then through a shared-memory tree, so they match eager's float64 sums to rounding.
 Non-finite by the exponent bits (all ones), NaN when the mantissa is also non-zero.
 """
 from __future__ import annotations
 
 import cutlass
-from cutlass import BFloat16, Float32, Float64, Int32, cute
+import numpy as np
+from cutlass import BFloat16, Float32, Float64, Int32, Int64, cute
 from cutlass.memory import SmemAllocator
 
 from ._common import (
@@ -32,36 +35,41 @@ from ._common import (
 
 _DTYPES = {"bf16": BFloat16, "fp32": Float32}
 THREADS = 256
-ITERS = 16                  # vectors per thread per CTA
-NONE = 1 << 30              # "no non-finite element yet" (blocks are far smaller)
+ITERS = 16                          # vectors per thread per CTA
+BLOCK_VECTORS = THREADS * ITERS     # 16-byte vectors per CTA (a table row)
+NONE = 1 << 30                      # "no non-finite element yet" (blocks are far smaller)
 N_PARTIALS = 7
+TABLE_COLUMNS = 3                   # int64: block address, vectors in the block, output row
 
 
 class SiteStats:
     def __init__(self, dtype: str = "bf16"):
         self.dtype = _DTYPES[dtype]
         self.vec = 128 // self.dtype.width
-        self.block = THREADS * ITERS * self.vec          # elements per CTA
 
     @cute.jit
-    def __call__(self, x_ptr: cute.Pointer, out_ptr: cute.Pointer, n_vec: Int32, n_cta: Int32, stream):
-        mX = cute.make_tensor(x_ptr, cute.make_layout((self.vec, n_vec), stride=(1, self.vec)))
-        mOut = cute.make_tensor(out_ptr, cute.make_layout((N_PARTIALS, n_cta), stride=(1, N_PARTIALS)))
-        self.kernel(mX, mOut, n_vec).launch(grid=[n_cta, 1, 1], block=[THREADS, 1, 1], stream=stream)
+    def __call__(self, table_ptr: cute.Pointer, out_ptr: cute.Pointer, n_cta: Int32, n_out: Int32, stream):
+        mTable = cute.make_tensor(table_ptr, cute.make_layout((TABLE_COLUMNS, n_cta), stride=(1, TABLE_COLUMNS)))
+        mOut = cute.make_tensor(out_ptr, cute.make_layout((N_PARTIALS, n_out), stride=(1, N_PARTIALS)))
+        self.kernel(mTable, mOut).launch(grid=[n_cta, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, n_vec: Int32):
+    def kernel(self, mTable: cute.Tensor, mOut: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        address = mTable[0, bidx]
+        n_vec = Int32(mTable[1, bidx])
+        row = Int32(mTable[2, bidx])
+        x_ptr = cute.make_ptr(self.dtype, address, cute.AddressSpace.gmem, assumed_align=16)
+        mX = cute.make_tensor(x_ptr, cute.make_layout((self.vec, BLOCK_VECTORS), stride=(1, self.vec)))
         n_nan, n_fin, first = Int32(0), Int32(0), Int32(NONE)
         lo, hi = Float32(float("inf")), Float32(float("-inf"))
         total, sum_sq = Float64(0.0), Float64(0.0)
         for it in cutlass.range_constexpr(ITERS):
             local = it * THREADS + tidx                      # vector index within the CTA's block
-            v = bidx * (THREADS * ITERS) + local
-            if v < n_vec:
+            if local < n_vec:
                 rX = cute.make_rmem_tensor((self.vec,), self.dtype)
-                cute.autovec_copy(mX[None, v], rX)
+                cute.autovec_copy(mX[None, local], rX)
                 x = rX.load().to(Float32)
                 for e in cutlass.range_constexpr(self.vec):
                     val = x[e]
@@ -98,21 +106,23 @@ class SiteStats:
                 red_d[1, tidx] = red_d[1, tidx] + red_d[1, o]
         cute.arch.barrier()
         if tidx == 0:
-            mOut[0, bidx] = Float64(red_i[0, 0])
-            mOut[1, bidx] = Float64(red_i[1, 0])
-            mOut[2, bidx] = Float64(red_f[0, 0])
-            mOut[3, bidx] = Float64(red_f[1, 0])
-            mOut[4, bidx] = red_d[0, 0]
-            mOut[5, bidx] = red_d[1, 0]
-            mOut[6, bidx] = cutlass.select_(red_i[2, 0] == NONE, Float64(-1.0), Float64(red_i[2, 0]))
+            mOut[0, row] = Float64(red_i[0, 0])
+            mOut[1, row] = Float64(red_i[1, 0])
+            mOut[2, row] = Float64(red_f[0, 0])
+            mOut[3, row] = Float64(red_f[1, 0])
+            mOut[4, row] = red_d[0, 0]
+            mOut[5, row] = red_d[1, 0]
+            mOut[6, row] = cutlass.select_(red_i[2, 0] == NONE, Float64(-1.0), Float64(red_i[2, 0]))
+
 
 
 def _build(dtype: str = "bf16"):
-    return SiteStats(dtype), (fake_ptr(_DTYPES[dtype]), fake_ptr(Float64, 8), Int32(1), Int32(1), fake_stream())
+    return SiteStats(dtype), (fake_ptr(Int64, 8), fake_ptr(Float64, 8), Int32(1), Int32(1), fake_stream())
 
 
 register(KernelDef("site_stats", "capture", BOTH, _build, configs=({"dtype": "bf16"}, {"dtype": "fp32"}),
-                   doc="a capture site's NaN/Inf counts, min, max, sums and first non-finite index, one row a CTA"))
+                   doc="capture sites' NaN/Inf counts, min, max, sums and first non-finite index, one row a CTA, "
+                       "many sites a launch"))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -128,8 +138,8 @@ def supports(t) -> bool:
 
 
 def block_of(t) -> int:
-    """Elements per PARTIALS row (SiteStats.block) for t's dtype."""
-    return THREADS * ITERS * (16 // t.element_size())
+    """Elements per PARTIALS row for t's dtype."""
+    return BLOCK_VECTORS * (16 // t.element_size())
 
 
 def n_rows(t) -> int:
@@ -137,21 +147,42 @@ def n_rows(t) -> int:
     return -(-t.numel() // block_of(t))
 
 
-def site_stats(t, out=None):
-    """PARTIALS rows of t (see the module doc), one per block_of(t) elements, written into `out` (float64
-    [n_rows(t), 7] on t's device; allocated when None) and returned."""
+def site_stats(tensors, first_rows, out) -> None:
+    """PARTIALS rows of every tensor (each one site_stats `supports`), n_rows(t) of them from out[first_rows[i]]
+    (out: contiguous float64 [rows, 7] on their device): one launch per dtype among them, whatever their number.
+    The launch is queued on the current stream; tensors may be freed once this returns."""
     import torch
-    if not supports(t):
-        raise ValueError(f"site_stats takes contiguous, aligned bf16/fp32 CUDA tensors of whole 16-byte vectors, "
-                         f"not {t.dtype} {tuple(t.shape)} on {t.device}")
-    check_numel(t)
-    n_cta = n_rows(t)
-    if out is None:
-        out = torch.empty(n_cta, N_PARTIALS, dtype=torch.float64, device=t.device)
-    if out.shape != (n_cta, N_PARTIALS) or out.dtype != torch.float64 or not out.is_contiguous():
-        raise ValueError(f"site_stats writes a contiguous float64 [{n_cta}, {N_PARTIALS}], not {out.dtype} "
+    if out.dtype != torch.float64 or not out.is_contiguous() or out.dim() != 2 or out.shape[1] != N_PARTIALS:
+        raise ValueError(f"site_stats writes a contiguous float64 [rows, {N_PARTIALS}], not {out.dtype} "
                          f"{tuple(out.shape)}")
-    dtype = "bf16" if t.dtype == torch.bfloat16 else "fp32"
-    fn = compile_kernel("site_stats", device_arch(t.device), dtype=dtype)
-    fn(ptr(t), ptr(out, Float64, 8), Int32(t.numel() // (16 // t.element_size())), Int32(n_cta), current_stream())
-    return out
+    for t, first in zip(tensors, first_rows, strict=True):
+        if not supports(t) or t.device != out.device:
+            raise ValueError(f"site_stats takes contiguous, aligned bf16/fp32 CUDA tensors of whole 16-byte "
+                             f"vectors on the output's device, not {t.dtype} {tuple(t.shape)} on {t.device}")
+        check_numel(t)
+        if not 0 <= first or first + n_rows(t) > out.shape[0]:
+            raise ValueError(f"site_stats rows [{first}, {first + n_rows(t)}) are outside out's {out.shape[0]}")
+    arch = device_arch(out.device)
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        group = [(t, first) for t, first in zip(tensors, first_rows) if t.dtype == dtype]
+        if not group:
+            continue
+        table = _table([t.data_ptr() for t, _ in group], [t.numel() * t.element_size() // 16 for t, _ in group],
+                       [first for _, first in group])
+        host = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
+        host.numpy()[:] = table
+        device_table = host.to(out.device, non_blocking=True)
+        fn = compile_kernel("site_stats", arch, dtype=name)
+        fn(ptr(device_table, Int64, 8), ptr(out, Float64, 8), Int32(table.shape[0]), Int32(out.shape[0]),
+           current_stream())
+
+
+def _table(addresses, vectors, first_rows) -> np.ndarray:
+    """The launch table, one int64 row (block address, vectors in the block, output row) per CTA."""
+    addresses, vectors, first_rows = (np.asarray(a, dtype=np.int64) for a in (addresses, vectors, first_rows))
+    counts = -(-vectors // BLOCK_VECTORS)
+    site = np.repeat(np.arange(len(counts)), counts)
+    block = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.stack([addresses[site] + block * (BLOCK_VECTORS * 16),
+                     np.minimum(vectors[site] - block * BLOCK_VECTORS, BLOCK_VECTORS),
+                     first_rows[site] + block], axis=1)

@@ -500,41 +500,54 @@ def _same_stats(got: dict, want: dict) -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_site_stats_kernel_equals_eager_statistics(dtype, tmp_path):
-    """The one-launch site_stats kernel (a GPU capture's option) gives the eager device statistics: counts,
-    extremes, absmax and the first non-finite element exactly, sums to float64 rounding; sizes of one partial
-    CTA, several CTAs and a ragged last one; NaN/Inf anywhere, or none, or nothing finite."""
+def test_site_stats_kernel_equals_eager_statistics():
+    """The site_stats kernel, many tensors of both dtypes in one call (as a capture batches its sites), gives
+    each the eager device statistics: counts, extremes, absmax and the first non-finite element exactly,
+    sums to float64 rounding; sizes of one partial CTA, several CTAs and a ragged last one; NaN/Inf anywhere,
+    or none, or nothing finite; rows written at their offsets only."""
     from dsv4debug import tensorstats as ts
     g = torch.Generator(device="cuda").manual_seed(5)
-    for n, bad in ((64, (3,)), (7 * 40960, (0, 9999, 286719)), (3 * 32768 + 8 * 300, ()), (4096, range(4096))):
-        x = torch.randn(n, device="cuda", generator=g) * 3
-        for i, v in zip(bad, [float("nan"), float("inf"), -float("inf")] * n):
-            x[i] = v
-        x = x.to(dtype)
-        rows, block, fill, by = ts.device_blocks(x, kernel=True)
+    tensors = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for n, bad in ((64, (3,)), (7 * 40960, (0, 9999, 286719)), (3 * 32768 + 8 * 300, ()), (4096, range(4096))):
+            x = torch.randn(n, device="cuda", generator=g) * 3
+            for i, v in zip(bad, [float("nan"), float("inf"), -float("inf")] * n):
+                x[i] = v
+            tensors.append(x.to(dtype))
+    items, first = [], 1                                  # row 0 and the gaps stay untouched
+    for x in tensors:
+        rows, block, by = ts.device_rows(x, kernel=True)
         assert by == ts.KERNEL and block != ts.DEVICE_CHUNK     # the kernel runs, not the eager fallback
-        out = torch.full((rows, len(ts.PARTIALS)), 7.0, dtype=torch.float64, device="cuda")
-        fill(out)
-        got = ts.combine_blocks(list(out.cpu().numpy()), n, block)
-        want = ts.combine_blocks(list(ts.device_stats(x).cpu().numpy()), n, ts.DEVICE_CHUNK)
+        items.append((x, first, rows, block))
+        first += rows + 1
+    out = torch.full((first, len(ts.PARTIALS)), 7.0, dtype=torch.float64, device="cuda")
+    ts.fill_device_rows([(x, f, ts.KERNEL) for x, f, _, _ in items], out)
+    host = out.cpu().numpy()
+    for x, f, rows, block in items:
+        got = ts.combine_blocks(list(host[f:f + rows]), x.numel(), block)
+        want = ts.combine_blocks(list(ts.device_stats(x).cpu().numpy()), x.numel(), ts.DEVICE_CHUNK)
         exact = (0, 1, 2, 3, 6, 8)
-        assert [got[i] for i in exact] == [want[i] for i in exact], (n, got, want)
+        assert [got[i] for i in exact] == [want[i] for i in exact], (x.dtype, x.numel(), got, want)
         assert [got[i] for i in (4, 5, 7)] == pytest.approx([want[i] for i in (4, 5, 7)], rel=1e-12, nan_ok=True)
+        assert (host[f - 1] == 7.0).all()                  # the row before each tensor's is not written
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel", [False, True], ids=["eager", "site_stats"])
-def test_gpu_capture_rows_slab_gives_every_site_its_own_statistics(kernel, tmp_path, monkeypatch):
-    """A GPU capture writes its sites' statistics rows into one device slab, flushed in one copy and combined
-    a batch at a time: with a slab that grows and flushes within a layer (a site larger than its limit too),
-    stored sites among stats-only ones and a site's statistics asked for before the layer ends, every site
-    still gets its own statistics, those of tensor_stats, and the site table keeps execution order."""
+@pytest.mark.parametrize("kernel,defer", [(False, True), (True, True), (True, False)],
+                         ids=["eager", "site_stats", "site_stats-at-record"])
+def test_gpu_capture_rows_slab_gives_every_site_its_own_statistics(kernel, defer, tmp_path, monkeypatch):
+    """A GPU capture writes its sites' statistics rows into one device slab, launched a batch of sites at a
+    time, flushed in one copy and combined a batch at a time: with a slab that grows and flushes within a
+    layer (a site larger than its limit too), batches launched within it, stored sites among stats-only ones
+    and a site's statistics asked for before the layer ends, every site still gets its own statistics, those
+    of tensor_stats, and the site table keeps execution order. Launched at record() (defer_stats=False, as
+    the hooks capture engines), the caller may then reuse its tensors at once."""
     from dsv4debug import capture as cap
     from dsv4debug import tensorstats as ts
     monkeypatch.setattr(cap._StatsSlab, "ROWS", 2)                  # grows within a layer
     monkeypatch.setattr(cap._StatsSlab, "MAX_ROWS", 3)              # and flushes within it
+    monkeypatch.setattr(cap._StatsSlab, "DEFER_BYTES", 200_000)     # and launches a batch within it
     g = torch.Generator(device="cuda").manual_seed(1)
     sites = {}
     for i in range(12):
@@ -544,14 +557,33 @@ def test_gpu_capture_rows_slab_gives_every_site_its_own_statistics(kernel, tmp_p
         sites[f"layers.0.s{i}"] = x.to(torch.bfloat16 if i % 2 else torch.float32)
     want = {site: ts.tensor_stats(x) for site, x in sites.items()}
     path = tmp_path / "slab.h5"
-    with CaptureWriter(path, {"token_ids": list(range(64))}, "sites:s5$", stats_kernel=kernel) as w:
+    with CaptureWriter(path, {"token_ids": list(range(64))}, "sites:s5$", stats_kernel=kernel,
+                       defer_stats=defer) as w:
         pending = {site: w.record("r", site, x, layer=0) for site, x in sites.items()}
         assert _same_stats(pending["layers.0.s4"].stats(), want["layers.0.s4"])
-        for x in sites.values():
-            x.fill_(1.0)                     # the writer took what it needs before record() returned
+        if not defer:
+            for x in sites.values():
+                x.fill_(1.0)                 # the writer took what it needs before record() returned
         w.end_layer("r", 0)
     with CaptureReader(path) as r:
         assert r.sites("r") == list(sites)
         for site in sites:
             assert _same_stats(r.stats("r", site), want[site]), site
         assert r.tensor("r", "layers.0.s5").eq(1.0).sum() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_capture_refuses_a_site_changed_in_place_before_its_statistics(tmp_path):
+    """A deferred site's tensor changed in place before its batch is launched would get the statistics of
+    other values: the launch fails naming the site, and the capture does not close as if it were fine."""
+    path = tmp_path / "inplace.h5"
+    w = CaptureWriter(path, {"token_ids": list(range(4))}, "stats")
+    x = torch.ones(4, 64, device="cuda", dtype=torch.bfloat16)
+    w.record("r", "layers.0.a", x, layer=0)
+    w.record("r", "layers.0.b", x * 2, layer=0)
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match="'layers.0.a' of run 'r' was modified in place"):
+        w.end_layer("r", 0)
+    w.abort()
+    assert not path.exists()

@@ -90,3 +90,18 @@ def test_cli_check_without_gpu_exits_2(capsys):
         main(["kernels", "check", "--shapes", "tiny"])
     assert e.value.code == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_site_stats_table_covers_every_tensor_once():
+    """site_stats' launch table (one row per CTA: block address, vectors, output row) tiles each tensor's
+    16-byte vectors exactly once, in blocks of BLOCK_VECTORS, with its rows consecutive from its first row."""
+    import numpy as np
+    from dsv4_kernels.stats import BLOCK_VECTORS, _table
+    addresses, vectors, firsts = [4096, 1 << 40, 77 << 20], [1, 3 * BLOCK_VECTORS, 2 * BLOCK_VECTORS + 5], [3, 10, 0]
+    table = _table(addresses, vectors, firsts)
+    assert table.dtype == np.int64 and table.shape == (1 + 3 + 3, 3)
+    for address, n_vec, first in zip(addresses, vectors, firsts):
+        mine = table[(table[:, 0] >= address) & (table[:, 0] < address + 16 * n_vec)]
+        assert list(mine[:, 2]) == list(range(first, first + len(mine)))
+        assert list(mine[:, 0]) == [address + 16 * BLOCK_VECTORS * b for b in range(len(mine))]
+        assert mine[:, 1].sum() == n_vec and (mine[:-1, 1] == BLOCK_VECTORS).all() and mine[-1, 1] > 0
