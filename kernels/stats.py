@@ -169,12 +169,52 @@ def site_stats(tensors, first_rows, out) -> None:
             continue
         table = _table([t.data_ptr() for t, _ in group], [t.numel() * t.element_size() // 16 for t, _ in group],
                        [first for _, first in group])
-        host = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
-        host.numpy()[:] = table
-        device_table = host.to(out.device, non_blocking=True)
+        device_table = _staging(out.device).to_device(table)
         fn = compile_kernel("site_stats", arch, dtype=name)
         fn(ptr(device_table, Int64, 8), ptr(out, Float64, 8), Int32(table.shape[0]), Int32(out.shape[0]),
            current_stream())
+
+
+class _TableStaging:
+    """Pinned host memory for launch tables, in two halves used in turn: a table is written into the current
+    half and copied to the device in stream order, and a half is rewritten only after the copies of its
+    previous turn have run (one event a turn). A launch then allocates no pinned memory: while the GPU runs
+    behind the host, the caching host allocator has no free block and each allocation is a cudaHostAlloc."""
+
+    HALF_ROWS = 1 << 15                           # 768 KiB a half: ~1 GiB of bf16 sites
+
+    def __init__(self, device):
+        import torch
+        self.device = device
+        self.host = torch.empty(2, self.HALF_ROWS, TABLE_COLUMNS, dtype=torch.int64, pin_memory=True)
+        self.half, self.cursor = 0, 0
+        self.turn_done: list = [None, None]       # an event after the last copy of each half's last turn
+
+    def to_device(self, table: np.ndarray):
+        import torch
+        n = len(table)
+        if n > self.HALF_ROWS:                    # larger than a half (> ~1 GiB of sites in one call)
+            return torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)
+        if self.cursor + n > self.HALF_ROWS:
+            self.turn_done[self.half] = torch.cuda.Event()
+            self.turn_done[self.half].record()
+            self.half, self.cursor = 1 - self.half, 0
+            if self.turn_done[self.half] is not None:
+                self.turn_done[self.half].synchronize()
+        region = self.host[self.half, self.cursor:self.cursor + n]
+        region.numpy()[:] = table
+        self.cursor += n
+        return region.to(self.device, non_blocking=True)
+
+
+_STAGING: dict = {}
+
+
+def _staging(device) -> _TableStaging:
+    staging = _STAGING.get(device)
+    if staging is None:
+        staging = _STAGING[device] = _TableStaging(device)
+    return staging
 
 
 def _table(addresses, vectors, first_rows) -> np.ndarray:
