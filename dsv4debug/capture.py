@@ -257,7 +257,7 @@ def _default_device() -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Writer
 # ---------------------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class _SiteJob:
     run: str
     row: dict[str, Any]                 # site table columns known at record time
@@ -554,7 +554,8 @@ class CaptureWriter:
         row = {"site": site, "order": self._orders[run], "layer": int(layer), "family": family,
                "inputs": list(inputs), "attrs": dict(extra)}
         job = _SiteJob(run, row, tensor.dtype, shape, None, token_slice, 0)
-        source = tensor.detach()
+        # detach (~5 us a site) only where autograd could see the copies: the statistics read the data only
+        source = tensor.detach() if tensor.requires_grad or not tensor.is_cuda else tensor
         if tensor.is_cuda:
             self._slab.add(job, source, self.stats_kernel)
             if store:
