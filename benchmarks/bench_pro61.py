@@ -25,9 +25,11 @@ At the default 1024 tokens a reference Pro layer should take ~50-190 ms of GPU w
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import math
 import platform
+import pstats
 import re
 import sys
 import tempfile
@@ -276,6 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--each-bisect-only", action="store_true", help="--each without the runs")
     ap.add_argument("--bisect-axis", default="layers", help="layers (default) | ops | both | stages | all")
     ap.add_argument("--steps", default="generate,forward,run,capture,bisect", help="which steps to run")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of each run/capture step given twice, "
+                    "its second time (where a step's host time goes)")
     ap.add_argument("--eager-weights", action="store_true",
                     help="generate weights eagerly (default on a GPU: torch.compile'd, the same values)")
     ap.add_argument("--out", type=Path, required=True, help="write the results as JSON here")
@@ -331,7 +335,14 @@ def main(argv: list[str] | None = None) -> dict:
                 res.setdefault("unfinished", {})[step] = seconds
                 save()
             before = res["steps"].get(step)
+            profiler = cProfile.Profile() if a.profile and before is not None else None   # the step's second time
+            if profiler:
+                profiler.enable()
             r = measured(step, dev, res["steps"], lambda c=capture, k=clock: run(model, ids, a, c, k, partial))
+            if profiler:
+                profiler.disable()
+                print(f"--- host profile of {step} (by own time)")
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
             if before is not None:
                 now = res["steps"][step]
                 now["seconds_each"] = before.get("seconds_each", [before["seconds"]]) + [now["seconds"]]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import cutlass
-from cutlass import Float32, Int32, Uint32, cute
+from cutlass import Float32, Float64, Int32, Int64, Uint32, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -197,6 +197,12 @@ def row_geometry(n_vec: int, max_threads: int = 256, min_per_thread: int = 2) ->
 def f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
     """Reinterpret an fp32 value as its 32 bits."""
     return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f64_bits(x: Float64, *, loc=None, ip=None) -> Int64:
+    """Reinterpret an fp64 value as its 64 bits."""
+    return Int64(llvm.bitcast(T.i64(), Float64(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
 @dsl_user_op

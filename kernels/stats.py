@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import cutlass
 import numpy as np
+import torch
 from cutlass import BFloat16, Float32, Float64, Int32, Int64, cute
 from cutlass.memory import SmemAllocator
 
@@ -27,13 +28,14 @@ from ._common import (
     current_stream,
     device_arch,
     f32_bits,
+    f64_bits,
     fake_ptr,
     fake_stream,
     ptr,
     register,
 )
 
-_DTYPES = {"bf16": BFloat16, "fp32": Float32}
+_DTYPES = {"bf16": BFloat16, "fp32": Float32, "fp64": Float64}
 THREADS = 256
 ITERS = 16                          # vectors per thread per CTA
 BLOCK_VECTORS = THREADS * ITERS     # 16-byte vectors per CTA (a table row)
@@ -46,6 +48,8 @@ class SiteStats:
     def __init__(self, dtype: str = "bf16"):
         self.dtype = _DTYPES[dtype]
         self.vec = 128 // self.dtype.width
+        self.wide = self.dtype is Float64           # fp64 (the noise floors' runs): its own bits and extremes
+        self.value = Float64 if self.wide else Float32
 
     @cute.jit
     def __call__(self, table_ptr: cute.Pointer, out_ptr: cute.Pointer, n_cta: Int32, n_out: Int32, stream):
@@ -63,31 +67,37 @@ class SiteStats:
         x_ptr = cute.make_ptr(self.dtype, address, cute.AddressSpace.gmem, assumed_align=16)
         mX = cute.make_tensor(x_ptr, cute.make_layout((self.vec, BLOCK_VECTORS), stride=(1, self.vec)))
         n_nan, n_fin, first = Int32(0), Int32(0), Int32(NONE)
-        lo, hi = Float32(float("inf")), Float32(float("-inf"))
+        lo, hi = self.value(float("inf")), self.value(float("-inf"))
         total, sum_sq = Float64(0.0), Float64(0.0)
         for it in cutlass.range_constexpr(ITERS):
             local = it * THREADS + tidx                      # vector index within the CTA's block
             if local < n_vec:
                 rX = cute.make_rmem_tensor((self.vec,), self.dtype)
                 cute.autovec_copy(mX[None, local], rX)
-                x = rX.load().to(Float32)
+                x = rX.load().to(self.value)
                 for e in cutlass.range_constexpr(self.vec):
                     val = x[e]
-                    bits = f32_bits(val)
-                    special = (bits & 0x7F800000) == 0x7F800000
+                    if cutlass.const_expr(self.wide):
+                        bits = f64_bits(val)
+                        special = (bits & 0x7FF0000000000000) == 0x7FF0000000000000
+                        nan = special and (bits & 0xFFFFFFFFFFFFF) != 0
+                    else:
+                        bits = f32_bits(val)
+                        special = (bits & 0x7F800000) == 0x7F800000
+                        nan = special and (bits & 0x7FFFFF) != 0
                     finite = not special
-                    n_nan += cutlass.select_(special and (bits & 0x7FFFFF) != 0, Int32(1), Int32(0))
+                    n_nan += cutlass.select_(nan, Int32(1), Int32(0))
                     n_fin += cutlass.select_(finite, Int32(1), Int32(0))
                     lo = cutlass.select_(finite and val < lo, val, lo)
                     hi = cutlass.select_(finite and val > hi, val, hi)
-                    kept = Float64(cutlass.select_(finite, val, Float32(0.0)))
+                    kept = Float64(cutlass.select_(finite, val, self.value(0.0)))
                     total += kept
                     sum_sq += kept * kept
                     first = cutlass.select_(special and first == NONE, local * self.vec + e, first)
 
         smem = SmemAllocator()
         red_i = smem.allocate_tensor(Int32, cute.make_layout((3, THREADS), stride=(THREADS, 1)), byte_alignment=16)
-        red_f = smem.allocate_tensor(Float32, cute.make_layout((2, THREADS), stride=(THREADS, 1)), byte_alignment=16)
+        red_f = smem.allocate_tensor(self.value, cute.make_layout((2, THREADS), stride=(THREADS, 1)), byte_alignment=16)
         red_d = smem.allocate_tensor(Float64, cute.make_layout((2, THREADS), stride=(THREADS, 1)), byte_alignment=16)
         red_i[0, tidx], red_i[1, tidx], red_i[2, tidx] = n_nan, n_fin, first
         red_f[0, tidx], red_f[1, tidx] = lo, hi
@@ -120,7 +130,8 @@ def _build(dtype: str = "bf16"):
     return SiteStats(dtype), (fake_ptr(Int64, 8), fake_ptr(Float64, 8), Int32(1), Int32(1), fake_stream())
 
 
-register(KernelDef("site_stats", "capture", BOTH, _build, configs=({"dtype": "bf16"}, {"dtype": "fp32"}),
+register(KernelDef("site_stats", "capture", BOTH, _build,
+                   configs=({"dtype": "bf16"}, {"dtype": "fp32"}, {"dtype": "fp64"}),
                    doc="capture sites' NaN/Inf counts, min, max, sums and first non-finite index, one row a CTA, "
                        "many sites a launch"))
 
@@ -130,11 +141,13 @@ register(KernelDef("site_stats", "capture", BOTH, _build, configs=({"dtype": "bf
 # --------------------------------------------------------------------------------------------------------
 
 def supports(t) -> bool:
-    """Whether site_stats takes t: a contiguous bf16 or fp32 CUDA tensor, 16-byte aligned, whole vectors."""
-    import torch
-    if not (t.is_cuda and t.dtype in (torch.bfloat16, torch.float32) and t.is_contiguous()):
+    """Whether site_stats takes t: a contiguous bf16, fp32 or fp64 CUDA tensor, 16-byte aligned, whole vectors."""
+    if not (t.is_cuda and t.dtype in _TORCH_NAMES and t.is_contiguous()):
         return False
     return t.numel() > 0 and t.data_ptr() % 16 == 0 and t.numel() % (16 // t.element_size()) == 0
+
+
+_TORCH_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
 def block_of(t) -> int:
@@ -151,19 +164,18 @@ def site_stats(tensors, first_rows, out) -> None:
     """PARTIALS rows of every tensor (each one site_stats `supports`), n_rows(t) of them from out[first_rows[i]]
     (out: contiguous float64 [rows, 7] on their device): one launch per dtype among them, whatever their number.
     The launch is queued on the current stream; tensors may be freed once this returns."""
-    import torch
     if out.dtype != torch.float64 or not out.is_contiguous() or out.dim() != 2 or out.shape[1] != N_PARTIALS:
         raise ValueError(f"site_stats writes a contiguous float64 [rows, {N_PARTIALS}], not {out.dtype} "
                          f"{tuple(out.shape)}")
     for t, first in zip(tensors, first_rows, strict=True):
         if not supports(t) or t.device != out.device:
-            raise ValueError(f"site_stats takes contiguous, aligned bf16/fp32 CUDA tensors of whole 16-byte "
+            raise ValueError(f"site_stats takes contiguous, aligned bf16/fp32/fp64 CUDA tensors of whole 16-byte "
                              f"vectors on the output's device, not {t.dtype} {tuple(t.shape)} on {t.device}")
         check_numel(t)
         if not 0 <= first or first + n_rows(t) > out.shape[0]:
             raise ValueError(f"site_stats rows [{first}, {first + n_rows(t)}) are outside out's {out.shape[0]}")
     arch = device_arch(out.device)
-    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+    for dtype, name in _TORCH_NAMES.items():
         group = [(t, first) for t, first in zip(tensors, first_rows) if t.dtype == dtype]
         if not group:
             continue
@@ -181,17 +193,16 @@ class _TableStaging:
     previous turn have run (one event a turn). A launch then allocates no pinned memory: while the GPU runs
     behind the host, the caching host allocator has no free block and each allocation is a cudaHostAlloc."""
 
-    HALF_ROWS = 1 << 15                           # 768 KiB a half: ~1 GiB of bf16 sites
+    HALF_ROWS = 1 << 18                           # 6 MiB a half: ~8 GiB of bf16 sites, two Pro layers at 4096
+                                                  # tokens (a smaller half waited for the GPU mid-layer)
 
     def __init__(self, device):
-        import torch
         self.device = device
         self.host = torch.empty(2, self.HALF_ROWS, TABLE_COLUMNS, dtype=torch.int64, pin_memory=True)
         self.half, self.cursor = 0, 0
         self.turn_done: list = [None, None]       # an event after the last copy of each half's last turn
 
     def to_device(self, table: np.ndarray):
-        import torch
         n = len(table)
         if n > self.HALF_ROWS:                    # larger than a half (> ~1 GiB of sites in one call)
             return torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)

@@ -501,19 +501,21 @@ def _same_stats(got: dict, want: dict) -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_site_stats_kernel_equals_eager_statistics():
-    """The site_stats kernel, many tensors of both dtypes in one call (as a capture batches its sites), gives
+    """The site_stats kernel, many tensors of every dtype in one call (as a capture batches its sites), gives
     each the eager device statistics: counts, extremes, absmax and the first non-finite element exactly,
     sums to float64 rounding; sizes of one partial CTA, several CTAs and a ragged last one; NaN/Inf anywhere,
     or none, or nothing finite; rows written at their offsets only."""
     from dsv4debug import tensorstats as ts
     g = torch.Generator(device="cuda").manual_seed(5)
     tensors = []
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
         for n, bad in ((64, (3,)), (7 * 40960, (0, 9999, 286719)), (3 * 32768 + 8 * 300, ()), (4096, range(4096))):
-            x = torch.randn(n, device="cuda", generator=g) * 3
+            x = (torch.randn(n, device="cuda", generator=g, dtype=torch.float64) * 3).to(dtype)
+            if dtype == torch.float64:
+                x[1] = -1e300                           # finite in fp64, beyond fp32: not an Inf, and the min
             for i, v in zip(bad, [float("nan"), float("inf"), -float("inf")] * n):
                 x[i] = v
-            tensors.append(x.to(dtype))
+            tensors.append(x)
     items, first = [], 1                                  # row 0 and the gaps stay untouched
     for x in tensors:
         rows, block, by = ts.device_rows(x, kernel=True)
@@ -554,7 +556,7 @@ def test_gpu_capture_rows_slab_gives_every_site_its_own_statistics(kernel, defer
         x = torch.randn(64, 8 + 40960 * (i % 4 == 3), device="cuda", generator=g) * (i + 1)
         if i % 3 == 0:
             x.view(-1)[i * 7] = float("nan")
-        sites[f"layers.0.s{i}"] = x.to(torch.bfloat16 if i % 2 else torch.float32)
+        sites[f"layers.0.s{i}"] = x.to((torch.float32, torch.bfloat16, torch.float64, torch.bfloat16)[i % 4])
     want = {site: ts.tensor_stats(x) for site, x in sites.items()}
     path = tmp_path / "slab.h5"
     with CaptureWriter(path, {"token_ids": list(range(64))}, "sites:s5$", stats_kernel=kernel,
