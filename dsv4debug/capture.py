@@ -82,7 +82,7 @@ ROOT_ATTRS = (
     ("torch_version", "str", "torch.__version__"),
     ("cutedsl_version", "str", 'nvidia-cutlass-dsl version, or "not installed"'),
     ("gpu_statistics", "str", ('how the statistics of the GPU sites were computed: "site_stats kernel" (CuTeDSL, '
-                               'one launch a site; the default where CuTeDSL is installed), "torch ops", both with '
+                               'a launch per batch of sites; the default where CuTeDSL is installed), "torch ops", both with '
                                'their counts (e.g. "site_stats kernel: 412 sites, torch ops: 24 sites", for tensors '
                                'the kernel does not take), or "no GPU sites"; "not known: the capture was not '
                                'closed" in a file whose writer was killed')),
