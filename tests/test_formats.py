@@ -257,6 +257,24 @@ def test_reference_linear_in_row_chunks_equals_the_whole(monkeypatch):
     assert backend._dense_rows(q, torch.bfloat16) == 640                      # bf16 copy fits: one piece
 
 
+def test_reference_grouped_linear_in_group_chunks_equals_the_whole(monkeypatch):
+    """Above DENSE_CHUNK_BYTES the reference wo_a dequantises and multiplies a few head groups at a time: each
+    group's product is its own, so the result is the whole one's up to fp64 rounding."""
+    from dsv4debug.backends import reference as backend
+    groups, rank, width = 4, 128, 96                                       # w [G*R, H*d/G]
+    w = torch.randn(groups * rank, width)
+    q = QWeight("wo_a", "fp8", dict(zip(("weight", "scale"), fp8_block_quantize(w))))
+    o = torch.randn(5, 8, groups * width // 8, dtype=torch.float64)        # [S, H, d]
+    be = backend.ReferenceBackend("cpu", torch.float64)
+    whole = be.grouped_linear(o, q, groups=groups)
+    assert whole.shape == (5, groups * rank)
+    monkeypatch.setattr(backend, "DENSE_CHUNK_BYTES", width * 8 * 300)        # 300 rows -> 256: two groups a chunk
+    assert backend._dense_rows(q, torch.float64) == 256
+    assert (be.grouped_linear(o, q, groups=groups) - whole).abs().max() <= 1e-13 * whole.abs().max()
+    monkeypatch.setattr(backend, "DENSE_CHUNK_BYTES", width * 8 * 100)        # under a group: one group a chunk
+    assert (be.grouped_linear(o, q, groups=groups) - whole).abs().max() <= 1e-13 * whole.abs().max()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def test_fused_dequantize_is_bit_identical_to_eager(device):

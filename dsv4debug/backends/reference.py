@@ -45,7 +45,16 @@ class ReferenceBackend(Backend):
         return self._by_rows(w, x.dtype, x.dtype, lambda dense: ref.linear(x, dense))
 
     def grouped_linear(self, o, w, *, groups):
-        return ref.grouped_linear(o, self.dense(w, o.dtype), groups)
+        """wo_a whole, or, when its dense copy in o's dtype passes DENSE_CHUNK_BYTES, a few head groups at a time
+        (each group's product is its own: the fp64 floor's dense wo_a alone was 0.5 GiB at a Pro run's peak)."""
+        per_group = w.shape[0] // groups                                    # R rows of each group
+        k = max(1, _dense_rows(w, o.dtype) // per_group)                   # groups a chunk
+        if k >= groups or (w.fmt == "fp8" and per_group % 128):           # groups must end on fp8's blocks
+            return ref.grouped_linear(o, self.dense(w, o.dtype), groups)
+        og = o.reshape(o.size(0), groups, -1)                               # [S, G, H*d/G]
+        return torch.cat([ref.grouped_linear(og[:, g:g + k], self.dense(w.rows(g * per_group,
+                                                                             min(g + k, groups) * per_group), o.dtype),
+                                             min(k, groups - g)) for g in range(0, groups, k)], -1)
 
     def logits(self, x, w):
         wide = torch.promote_types(x.dtype, torch.float32)            # linear_fp32 widens the weight to it
