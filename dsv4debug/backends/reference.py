@@ -42,32 +42,30 @@ class ReferenceBackend(Backend):
         return ref.head_rms_norm(q, eps)
 
     def linear(self, x, w):
-        return self._by_rows(w, x.dtype, x.dtype, lambda dense: ref.linear(x, dense))
+        return self._by_rows(w, x.dtype, x.dtype, lambda dense, a, b: ref.linear(x, dense))
 
     def grouped_linear(self, o, w, *, groups):
-        """wo_a whole, or, when its dense copy in o's dtype passes DENSE_CHUNK_BYTES, a few head groups at a time
-        (each group's product is its own: the fp64 floor's dense wo_a alone was 0.5 GiB at a Pro run's peak)."""
-        per_group = w.shape[0] // groups                                    # R rows of each group
-        k = max(1, _dense_rows(w, o.dtype) // per_group)                   # groups a chunk
-        if k >= groups or (w.fmt == "fp8" and per_group % 128):           # groups must end on fp8's blocks
-            return ref.grouped_linear(o, self.dense(w, o.dtype), groups)
+        R = w.shape[0] // groups                                            # rows of each head group
         og = o.reshape(o.size(0), groups, -1)                               # [S, G, H*d/G]
-        return torch.cat([ref.grouped_linear(og[:, g:g + k], self.dense(w.rows(g * per_group,
-                                                                             min(g + k, groups) * per_group), o.dtype),
-                                             min(k, groups - g)) for g in range(0, groups, k)], -1)
+        return self._by_rows(w, o.dtype, o.dtype, lambda dense, a, b: ref.grouped_linear(
+            og[:, a // R:b // R], dense, (b - a) // R), unit=R)
 
     def logits(self, x, w):
         wide = torch.promote_types(x.dtype, torch.float32)            # linear_fp32 widens the weight to it
-        return self._by_rows(w, torch.float32, wide, lambda dense: ref.linear_fp32(x, dense))
+        return self._by_rows(w, torch.float32, wide, lambda dense, a, b: ref.linear_fp32(x, dense))
 
-    def _by_rows(self, w: QWeight, dtype: torch.dtype, used: torch.dtype, product) -> torch.Tensor:
-        """product(dense w in dtype) -> [..., out], or, when w's dense copy in `used` passes DENSE_CHUNK_BYTES,
-        the same from 128-row chunks (the fp64 floor's dense wo_b alone was 0.9 GiB at a Pro run's peak, its
-        head 7.4 GB)."""
-        rows, out = _dense_rows(w, used), w.shape[0]
-        if rows >= out:
-            return product(self.dense(w, dtype))
-        return torch.cat([product(self.dense(w.rows(a, min(a + rows, out)), dtype)) for a in range(0, out, rows)], -1)
+    def _by_rows(self, w: QWeight, dtype: torch.dtype, used: torch.dtype, product, unit: int = 1) -> torch.Tensor:
+        """product(dense rows [a, b) of w in dtype, a, b) -> [..., b - a], for all rows at once, or, when w's
+        dense copy in `used` passes DENSE_CHUNK_BYTES, concatenated over chunks of 128-row blocks and of whole
+        `unit`s (wo_a: head groups, each group's product its own). The fp64 floor's dense wo_b alone was 0.9 GiB
+        at a Pro run's peak, its wo_a 0.5 GiB, its head 7.4 GB."""
+        out = w.shape[0]
+        rows = _dense_rows(w, used)
+        rows = rows if rows >= out else max(unit, rows // unit * unit)
+        if rows >= out or rows % 128:                      # chunks must end on fp8's 128-row scale blocks
+            return product(self.dense(w, dtype), 0, out)
+        return torch.cat([product(self.dense(w.rows(a, min(a + rows, out)), dtype), a, min(a + rows, out))
+                          for a in range(0, out, rows)], -1)
 
     def rope(self, x, freqs, *, inverse=False):
         return ref.apply_rope(x, freqs, inverse)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import dsv4_references as ref
 import torch
 
 from ..config import ModelConfig
@@ -43,8 +44,12 @@ class ShapeBackend(ReferenceBackend):
     def dense(self, w, dtype):
         return None if w is None else torch.empty(w.tensors["shape"].shape, device=META, dtype=dtype)
 
-    def _by_rows(self, w, dtype, used, product):         # meta tensors take no memory: never in chunks
-        return product(self.dense(w, dtype))
+    # meta tensors take no memory: never in chunks
+    def _by_rows(self, w, dtype, used, product, unit=1):
+        return product(self.dense(w, dtype), 0, w.tensors["shape"].shape[0])
+
+    def grouped_linear(self, o, w, *, groups):
+        return ref.grouped_linear(o, self.dense(w, o.dtype), groups)
 
     def embed(self, ids, w):
         return torch.empty(ids.numel(), self.cfg.dim, device=META, dtype=self.dtype)
