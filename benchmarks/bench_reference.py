@@ -143,8 +143,16 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
 
         def captured(kernel: bool, rep: int) -> None:     # every site's stats, flushed at the layer's end
             writer, run = writers[kernel], f"rep{rep}"
-            part = spent[kernel] = {"record": 0.0, "sites": 0, "end_layer": 0.0, "gc": 0.0, "gc_runs": 0,
-                                    "gc_full_runs": 0}
+            part = spent[kernel] = {"record": 0.0, "sites": 0, "launch": 0.0, "launches": 0, "end_layer": 0.0,
+                                    "gc": 0.0, "gc_runs": 0, "gc_full_runs": 0}
+            slab = writer._slab                            # the statistics' batched launches, timed apart
+
+            def launch(batch=slab.launch) -> None:
+                t0 = time.perf_counter()
+                batch()
+                part["launch"] += time.perf_counter() - t0
+                part["launches"] += 1
+            slab.launch = launch
 
             def record(ev) -> None:
                 t0 = time.perf_counter()
@@ -164,6 +172,7 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
                 part["total"] = time.perf_counter() - t0
             finally:
                 gc.callbacks.remove(gc_clock)
+                del slab.launch
 
         for kernel in kinds:                              # compiles and first-use allocations, untimed
             captured(kernel, "warm-up")
