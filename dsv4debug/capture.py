@@ -6,10 +6,9 @@ dsv4debug.capture --doc`).
 Writing is asynchronous: `record` starts the statistics (a GPU tensor waits for the site_stats kernel to take
 a batch of sites in one launch, or for torch ops, writing into a slab of rows that moves to the host in one
 copy per layer; numpy tasks on a worker pool for a host tensor) and the device->host copy of a stored tensor,
-then returns; a prepare thread has the pool
-shuffle, compress and hash the chunks; a writer thread, the only one touching HDF5, writes them with
-`write_direct_chunk` and appends the site rows at each `end_layer`, which returns once everything recorded
-so far is flushed: a process killed afterwards leaves those layers readable.
+then returns; a prepare thread has the pool shuffle, compress and hash the chunks; a writer thread, the only
+one touching HDF5, writes them with `write_direct_chunk` and appends the site rows at each `end_layer`, which
+returns once everything recorded so far is flushed: a process killed afterwards leaves those layers readable.
 """
 from __future__ import annotations
 

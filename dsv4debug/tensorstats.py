@@ -50,7 +50,7 @@ KERNEL, TORCH_OPS = "site_stats kernel", "torch ops"
 
 def device_rows(t: torch.Tensor, kernel: bool = False) -> DeviceRows:
     """How t's PARTIALS rows are made where it lives: by device_stats, or with `kernel` by the CuTeDSL
-    site_stats kernel where it takes t (contiguous bf16/fp32 CUDA tensors of whole 16-byte vectors; needs
+    site_stats kernel where it takes t (contiguous bf16/fp32/fp64 CUDA tensors of whole 16-byte vectors; needs
     nvidia-cutlass-dsl), which does many tensors in one launch (fill_device_rows)."""
     if kernel and t.is_cuda:
         stats = _site_stats_module()

@@ -8,8 +8,8 @@ reads a contiguous block of up to BLOCK_VECTORS 16-byte vectors (consecutive thr
 of whichever tensor the row points into and writes one float64 row of (nan_count, finite_count, min, max, sum,
 sum_sq, first non-finite index in the block or -1) at its output row. A site's rows are its consecutive
 blocks, which the host combines with `tensorstats.combine_segments` as it does the eager chunks. Counts,
-extremes and the first index are exact; sums accumulate the fp32 values (exact for bf16 and fp32) in float64
-per thread, then through a shared-memory tree, so they match eager's float64 sums to rounding.
+extremes and the first index are exact; sums accumulate the values (bf16 and fp32 widened exactly, fp64 as they
+are) in float64 per thread, then through a shared-memory tree, so they match eager's float64 sums to rounding.
 Non-finite by the exponent bits (all ones), NaN when the mantissa is also non-zero.
 """
 from __future__ import annotations
