@@ -352,12 +352,7 @@ class _StatsSlab:
             return
         self.launch()
         jobs = [job for job, _ in self.waiting]
-        copies = {}
-        for device, used in self.used.items():
-            rows = _pinned_copy(self.slabs[device][:used])
-            landed = torch.cuda.Event()
-            landed.record()
-            copies[device] = rows, landed
+        copies = {device: _host_copy(self.slabs[device][:used]) for device, used in self.used.items()}
         for job, device in self.waiting:
             rows, landed = copies[device]
             job.device_rows = (rows, job.device_rows[1], job.device_rows[2], landed)
@@ -753,6 +748,23 @@ class _ByteBudget:
         with self.cond:
             self.used, self.limit = 0, 1 << 62
             self.cond.notify_all()
+
+
+class _Copied:
+    """The event of a copy that is complete when made (a CPU slab's, in tests of the slab logic)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _host_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """(a host copy of t, an event to synchronize on before reading it): pinned and asynchronous from a GPU."""
+    if not t.is_cuda:
+        return t.clone(), _Copied()
+    host = _pinned_copy(t)
+    landed = torch.cuda.Event()
+    landed.record()
+    return host, landed
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:

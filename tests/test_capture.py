@@ -498,6 +498,41 @@ def _same_stats(got: dict, want: dict) -> bool:
     return got.keys() == want.keys() and all(same(k) for k in got)
 
 
+def test_stats_slab_batches_sites_and_refuses_one_changed_before_its_launch(monkeypatch):
+    """The rows slab of a GPU capture, run on CPU tensors with torch-op statistics: sites wait until
+    DEFER_BYTES of them wait (then one batch for all), the slab grows under waiting sites, every site gets
+    tensor_stats' statistics, and a site changed in place before its batch is refused, naming it."""
+    from dsv4debug import capture as cap
+    from dsv4debug import tensorstats as ts
+    monkeypatch.setattr(cap._StatsSlab, "ROWS", 2)
+    monkeypatch.setattr(cap._StatsSlab, "DEFER_BYTES", 3 * 4 * 5000)           # three [5000] fp32 sites
+    batches = []
+    fill = cap.fill_device_rows
+    monkeypatch.setattr(cap, "fill_device_rows", lambda items, out: (batches.append(len(items)), fill(items, out)))
+    g = torch.Generator().manual_seed(3)
+    sites = {f"s{i}": torch.randn(5000 + 4_194_304 * (i == 4), generator=g) * (i + 1) for i in range(7)}
+    sites["s2"][17] = float("nan")
+    submitted: list = []
+    slab = cap._StatsSlab(submitted.extend)
+    jobs = {}
+    for name, t in sites.items():
+        jobs[name] = cap._SiteJob("r", {"site": name}, t.dtype, tuple(t.shape), None, None, 0)
+        slab.add(jobs[name], t, kernel=False)
+    assert batches == [3, 2]                  # s0-s2 at the limit; s3 and the large s4 at once; s5, s6 wait
+    slab.flush()
+    assert batches == [3, 2, 2] and not slab.unlaunched
+    cap._combine_batch(submitted)
+    for name, t in sites.items():
+        want = ts.tensor_stats(t)
+        got = ts.stats_dict(jobs[name].values, t.dtype, tuple(t.shape))
+        assert _same_stats(got, want), name
+    late = torch.ones(5000)
+    slab.add(cap._SiteJob("r", {"site": "late"}, late.dtype, (5000,), None, None, 0), late, kernel=False)
+    late.mul_(2)
+    with pytest.raises(RuntimeError, match="'late' of run 'r' was modified in place"):
+        slab.flush()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_site_stats_kernel_equals_eager_statistics():
