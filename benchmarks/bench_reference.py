@@ -12,9 +12,11 @@ Results go to benchmarks/results/reference-<device>.json.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import platform
+import pstats
 import statistics
 import tempfile
 import time
@@ -127,6 +129,15 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
+    def host_profiled(what: str, fn) -> None:
+        prof = cProfile.Profile()
+        prof.enable()
+        fn()
+        sync(device)
+        prof.disable()
+        print(f"--- host profile: {what}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
     if profile:
         profiled("forward", forward)
     # a stats-only capture of every site against the plain forward, interleaved (forward, capture) pairs so
@@ -189,6 +200,8 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
             for kernel in kinds:
                 profiled(f"forward with a stats capture ({'site_stats kernel' if kernel else 'eager'})",
                          lambda kernel=kernel: captured(kernel, REPEATS))
+            host_profiled("forward", forward)       # the Python functions the capture adds to the host's time
+            host_profiled("forward with a stats capture (site_stats kernel)", lambda: captured(kinds[-1], "cprofile"))
         for writer in writers.values():
             writer.abort()
     overhead = {k: statistics.median(v) - 1 for k, v in ratios.items()}

@@ -12,6 +12,7 @@ returns once everything recorded so far is flushed: a process killed afterwards 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -57,6 +58,7 @@ from .tensorstats import (
     fill_device_rows,
     host_blocks,
     site_stats_installed,
+    stats_columns,
     stats_dict,
 )
 
@@ -639,25 +641,22 @@ class CaptureWriter:
         group.create_group("tensors", track_order=True)
         self._rows[run] = []
 
-    def _add_row(self, job: _SiteJob, stored: bool) -> None:
-        site_stats = stats_dict(job.stat_values(), job.dtype, job.shape)
-        stats = dict(site_stats, shape=json.dumps(site_stats["shape"]),
-                     first_nonfinite=json.dumps(site_stats.get("first_nonfinite")))
-        row = {**job.row, **stats, "stored": stored, "inputs": json.dumps(job.row["inputs"]),
-               "attrs": json.dumps(job.row["attrs"], default=_json_default)}
-        self._rows[job.run].append(tuple(row[name] for name in SITE_DTYPE.names))
+    def _add_rows(self, jobs: Sequence[_SiteJob], stored: bool) -> None:
+        if not jobs:
+            return
+        rows, runs = _site_rows(jobs, stored), np.array([job.run for job in jobs], dtype=object)
+        for run in dict.fromkeys(runs):
+            self._rows[run].append(rows[runs == run])
 
     def _write_batch(self, jobs: list[_SiteJob]) -> None:
         """A slab flush: the statistics of all its sites at once; rows for the stats-only ones (a stored
         site's row follows with its tensor, queued right after)."""
         _combine_batch(jobs)
-        for job in jobs:
-            if job.data is None:
-                self._add_row(job, stored=False)
+        self._add_rows([job for job in jobs if job.data is None], stored=False)
 
     def _write_site(self, enc: _Encoded) -> None:
         job = enc.job
-        self._add_row(job, stored=enc.dtype is not None)
+        self._add_rows([job], stored=enc.dtype is not None)
         if enc.dtype is None:
             return
         tensors = self._file[f"runs/{job.run}/tensors"]
@@ -682,10 +681,10 @@ class CaptureWriter:
     def _append_rows(self) -> None:
         for run, rows in self._rows.items():
             if rows:
-                table = self._file[f"runs/{run}/sites"]
+                table, new = self._file[f"runs/{run}/sites"], np.concatenate(rows)
                 start = table.shape[0]
-                table.resize((start + len(rows),))
-                table[start:] = np.array(rows, dtype=SITE_DTYPE)
+                table.resize((start + len(new),))
+                table[start:] = new
                 rows.clear()
 
     def _finish_layer(self, run: str, layer: int, done: threading.Event) -> None:
@@ -708,6 +707,31 @@ class CaptureWriter:
         self._file.attrs[key] = text
         keys = set(plain(self._file.attrs["json_keys"])) | {key}
         self._file.attrs["json_keys"] = np.asarray(sorted(keys), dtype=_STR)
+
+
+def _site_rows(jobs: Sequence[_SiteJob], stored: bool) -> np.ndarray:
+    """Site-table rows of jobs whose statistics are in, column by column (a layer's ~400 sites in ~1 ms;
+    a row at a time took 60 us a site in the writer thread, all of it at the layer's end)."""
+    shapes = [job.shape for job in jobs]
+    stats = stats_columns([job.stat_values() for job in jobs], shapes)
+    rows = np.empty(len(jobs), dtype=SITE_DTYPE)
+    for key in ("site", "order", "layer", "family"):
+        rows[key] = [job.row[key] for job in jobs]
+    rows["inputs"] = [_json_list(tuple(job.row["inputs"])) for job in jobs]
+    rows["dtype"] = [dtype_name(job.dtype) for job in jobs]
+    rows["shape"] = [_json_list(shape) for shape in shapes]
+    for key in (*STAT_KEYS, "numel"):
+        rows[key] = stats[key]
+    rows["first_nonfinite"] = ["null" if at is None else json.dumps(at) for at in stats["first_nonfinite"]]
+    rows["stored"] = stored
+    rows["attrs"] = [json.dumps(job.row["attrs"], default=_json_default) if job.row["attrs"] else "{}"
+                     for job in jobs]
+    return rows
+
+
+@functools.lru_cache(maxsize=4096)
+def _json_list(items: tuple) -> str:          # shapes and input lists repeat from layer to layer
+    return json.dumps(list(items))
 
 
 def _rows_of(t: torch.Tensor, token_slice: tuple[int, int] | None) -> torch.Tensor:

@@ -72,6 +72,7 @@ def fill_device_rows(items: Sequence[tuple[torch.Tensor, int, str]], out: torch.
             out[first:first + rows.shape[0]].copy_(rows)
 
 
+@functools.cache                    # asked at every record(): an import statement costs ~1 us
 def _site_stats_module():
     try:
         from dsv4_kernels import stats
@@ -202,17 +203,29 @@ def combine_segments(rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, n
 
 
 # ---------------------------------------------------------------------------------------------------------
+def stats_columns(values: np.ndarray | Sequence[Sequence[float]], shapes: Sequence[tuple[int, ...]]
+                  ) -> dict[str, Any]:
+    """The statistics of many sites, column by column, from their STAT_VALUES rows [sites, STAT_VALUES]: a
+    capture's writer turns a layer's ~400 sites into site-table rows in a few numpy passes. Extremes and moments
+    are NaN where a site has no finite element (its l2 is then 0); first_nonfinite holds coordinates or None."""
+    v = np.asarray(values, dtype=np.float64).reshape(len(shapes), len(STAT_VALUES))
+    numel = np.array([math.prod(s) for s in shapes], dtype=np.int64)
+    nan_count, inf_count = v[:, 0].astype(np.int64), v[:, 1].astype(np.int64)
+    finite_only = np.where((nan_count + inf_count == numel)[:, None], np.nan, v[:, 2:7])
+    cols: dict[str, Any] = {"nan_count": nan_count, "inf_count": inf_count, **dict(zip(STAT_KEYS[2:7], finite_only.T)),
+                            "l2": v[:, 7], "numel": numel}
+    cols["first_nonfinite"] = [None if i < 0 else [int(c) for c in np.unravel_index(int(i), s)]
+                               for i, s in zip(v[:, 8], shapes)]
+    return cols
+
+
 def stats_dict(values: Sequence[float], dtype: torch.dtype, shape: Sequence[int]) -> dict[str, Any]:
     """The statistics of one site from STAT_VALUES (host floats)."""
-    numel = int(np.prod(shape))
-    n_nan, n_inf = int(values[0]), int(values[1])
-    no_finite = n_nan + n_inf == numel
-    out: dict[str, Any] = {"nan_count": n_nan, "inf_count": n_inf}
-    for key, v in zip(STAT_KEYS[2:], values[2:8]):
-        out[key] = float("nan") if no_finite and key != "l2" else float(v)
-    out.update(numel=numel, dtype=dtype_name(dtype), shape=[int(s) for s in shape])
-    if values[8] >= 0:
-        out["first_nonfinite"] = [int(i) for i in np.unravel_index(int(values[8]), tuple(shape))]
+    cols = stats_columns([values], [tuple(int(s) for s in shape)])
+    out: dict[str, Any] = {key: cols[key][0].item() for key in STAT_KEYS}
+    out.update(numel=int(cols["numel"][0]), dtype=dtype_name(dtype), shape=[int(s) for s in shape])
+    if cols["first_nonfinite"][0] is not None:
+        out["first_nonfinite"] = cols["first_nonfinite"][0]
     return out
 
 

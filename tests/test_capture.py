@@ -488,6 +488,35 @@ def test_combine_segments_equals_combine_blocks_site_by_site(monkeypatch):
         ts.combine_segments(rows, starts[::-1], counts[::-1], numels, numels)
 
 
+def test_site_rows_hold_each_sites_statistics():
+    """The writer builds a batch's site-table rows column by column (stats_columns): read back, each row holds
+    the statistics stats_dict gives that site alone, for finite sites, NaN/Inf ones (first coordinates),
+    sites with nothing finite (NaN extremes and moments, l2 0), empty and scalar sites."""
+    from dsv4debug import capture as cap
+    from dsv4debug import tensorstats as ts
+    g = torch.Generator().manual_seed(5)
+    sites = {"finite": torch.randn(3, 40, generator=g), "bad": torch.randn(2, 3, 50, generator=g).bfloat16(),
+             "no_finite": torch.full((4, 8), float("nan")), "empty": torch.zeros(0, 5), "scalar": torch.tensor(2.5)}
+    sites["bad"][1, 2, 7], sites["bad"][1, 2, 9] = float("inf"), float("nan")
+    sites["no_finite"][3, 1] = -float("inf")
+    jobs = []
+    for i, (name, t) in enumerate(sites.items()):
+        job = cap._SiteJob("r", {"site": name, "order": i, "layer": 0, "family": "f", "inputs": ["embed"],
+                                 "attrs": {"k": i} if i else {}}, t.dtype, tuple(t.shape), None, None, 0)
+        job.values = ts.combine_blocks([ts.block_stats(b) for b in ts.host_blocks(t)], t.numel(), ts.HOST_BLOCK)
+        jobs.append(job)
+    rows = cap._site_rows(jobs, stored=False)
+    for i, (name, t) in enumerate(sites.items()):
+        record = cap._site_record("r", rows[i])
+        assert record["site"] == name and record["inputs"] == ["embed"] and not record["stored"]
+        assert record["attrs"] == ({"k": i} if i else {})
+        assert _same_stats(record["stats"], ts.stats_dict(jobs[i].values, t.dtype, tuple(t.shape))), name
+        assert record["stats"]["nan_count"] == t.isnan().sum() and record["stats"]["numel"] == t.numel()
+    assert cap._site_record("r", rows[1])["stats"]["first_nonfinite"] == [1, 2, 7]
+    no_finite = cap._site_record("r", rows[2])["stats"]
+    assert math.isnan(no_finite["min"]) and math.isnan(no_finite["std"]) and no_finite["l2"] == 0.0
+
+
 def _same_stats(got: dict, want: dict) -> bool:
     """Site statistics equal, NaN equal to NaN; sums (mean, std, l2) to float64 rounding."""
     def same(k):
