@@ -32,7 +32,8 @@ from dsv4debug.model import State, stages
 from dsv4debug.runner import candidate_backend
 
 RESULTS = Path(__file__).parent / "results"
-REPEATS = 7                   # interleaved (forward, capture) pairs, after one untimed capture
+REPEATS = 15                  # interleaved (forward, capture) pairs, after one untimed capture: single forwards
+                              # of one run spread by up to 1.7x on some machines of the pool
 
 
 def sync(device: str) -> None:
@@ -136,7 +137,10 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
         sync(device)
         prof.disable()
         print(f"--- host profile: {what}")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        stats = pstats.Stats(prof).sort_stats("tottime")
+        stats.print_stats(30)
+        print(f"--- host profile: {what}, the capture's own functions (cumulative)")
+        stats.sort_stats("cumulative").print_stats(r"capture|tensorstats|dsv4_kernels|kernels/|cutlass|bench_reference", 40)
 
     if profile:
         profiled("forward", forward)

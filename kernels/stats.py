@@ -14,6 +14,8 @@ Non-finite by the exponent bits (all ones), NaN when the mantissa is also non-ze
 """
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import numpy as np
 import torch
@@ -193,8 +195,8 @@ class _TableStaging:
     previous turn have run (one event a turn). A launch then allocates no pinned memory: while the GPU runs
     behind the host, the caching host allocator has no free block and each allocation is a cudaHostAlloc."""
 
-    HALF_ROWS = 1 << 18                           # 6 MiB a half: ~8 GiB of bf16 sites, two Pro layers at 4096
-                                                  # tokens (a smaller half waited for the GPU mid-layer)
+    HALF_ROWS = 1 << 18                           # 6 MiB a half, a row per 64 KiB of sites: 16 GiB, two Pro
+                                                  # layers at 4096 tokens (a smaller half waited for the GPU)
 
     def __init__(self, device):
         self.device = device
@@ -204,7 +206,7 @@ class _TableStaging:
 
     def to_device(self, table: np.ndarray):
         n = len(table)
-        if n > self.HALF_ROWS:                    # larger than a half (> ~1 GiB of sites in one call)
+        if n > self.HALF_ROWS:                    # larger than a half (> 16 GiB of sites in one call)
             return torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)
         if self.cursor + n > self.HALF_ROWS:
             self.turn_done[self.half] = torch.cuda.Event()
@@ -218,14 +220,9 @@ class _TableStaging:
         return region.to(self.device, non_blocking=True)
 
 
-_STAGING: dict = {}
-
-
+@functools.cache
 def _staging(device) -> _TableStaging:
-    staging = _STAGING.get(device)
-    if staging is None:
-        staging = _STAGING[device] = _TableStaging(device)
-    return staging
+    return _TableStaging(device)
 
 
 def _table(addresses, vectors, first_rows) -> np.ndarray:
