@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import math
 import platform
 import pstats
 import re
@@ -47,7 +46,7 @@ from dsv4debug.execute import Executor, Side, WeightSource
 from dsv4debug.faults import parse_fault
 from dsv4debug.model import State, stages
 from dsv4debug.runner import candidate_backend
-from dsv4debug.schema import block_modules
+from dsv4debug.schema import block_modules, layer_weight_bytes
 from dsv4debug.synth import SyntheticModel, make_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -114,9 +113,7 @@ def gib(n: int | None) -> str:
 
 def layer_bytes(cfg) -> dict[str, int]:
     """The largest layer's stored weights, and the hidden streams [S, M, D] that travel between layers."""
-    weights = max(sum(math.prod(shape) * dtype.itemsize for m in block_modules(cfg, layer)
-                      for dtype, shape in m.tensors().values()) for layer in range(cfg.n_layers))
-    return {"layer_weights": weights}
+    return {"layer_weights": layer_weight_bytes(cfg)}
 
 
 def run(model, ids: torch.Tensor, a: argparse.Namespace, capture: Path | None, clock: StageClock, saved):

@@ -28,7 +28,7 @@ from .execute import Executor, ModuleCache, Side, WeightSource, check_faults_tar
 from .faults import Fault
 from .metrics import MIN_FLOORS
 from .model import State, stages
-from .runner import QUANTIZED_FREE_BAR, candidate_backend, rel_l2, site_names
+from .runner import QUANTIZED_FREE_BAR, candidate_backend, gpu_peak, rel_l2, reset_gpu_peak, site_names
 
 # Tolerance at the logits in multiples of their floor (the judge in bf16 against itself in fp64, accumulated
 # over the whole model). Two independent bf16 implementations differ from each other by about sqrt(2) floors, so
@@ -73,6 +73,7 @@ class BisectResult:
     culprit_stage: str | None = None
     culprit_families: list[str] | None = None
     message: str = ""
+    memory: dict[str, Any] | None = None      # runner.gpu_peak since the search began (None off CUDA)
 
     @property
     def diverged(self) -> bool:
@@ -83,7 +84,8 @@ class BisectResult:
     def to_dict(self) -> dict[str, Any]:
         return {"axis": self.axis, "judged_by": self.judged_by, "diverged": self.diverged,
                 "culprit_stage": self.culprit_stage, "culprit_families": self.culprit_families,
-                "message": self.message, "probes": [dict(p.__dict__, diverged=p.diverged) for p in self.probes]}
+                "message": self.message, "memory": self.memory,
+                "probes": [dict(p.__dict__, diverged=p.diverged) for p in self.probes]}
 
 
 def judge_for(candidate: str) -> str:
@@ -331,6 +333,11 @@ def bisect(model: Checkpoint, token_ids: torch.Tensor, candidate: str, axis: str
     names = list(dict.fromkeys(n for part in axis.split(",") for n in aliases.get(part, (part,))))
     if bad := [n for n in names if n not in ("layers", "ops", "stages")]:
         raise BadInput(f"--axis {bad[0]!r}: choose layers, ops, stages (comma-separated), both or all")
+    reset_gpu_peak(kw.get("device", "cpu"))
     b = Bisector(model, token_ids, candidate, **kw)
     run = {"layers": b.layers, "ops": b.ops, "stages": b.stage_sweep}
-    return [run[n]() for n in names]
+    results = []
+    for name in names:
+        results.append(run[name]())
+        results[-1].memory = gpu_peak(model.config, token_ids.numel(), b.device)
+    return results

@@ -36,6 +36,7 @@ from .execute import (
 from .faults import Fault
 from .metrics import CHUNK_ELEMS, compare_fast, index_agreement
 from .model import State, stages
+from .schema import layer_weight_bytes
 from .tensorstats import tensor_stats
 from .verdict import DEFAULT_BUDGET, judge, summarize, with_logits_check
 
@@ -347,6 +348,7 @@ class RunResult:
     missing_ops: list[str]          # ops the candidate has no implementation (kernel) of
     delegated_ops: list[str]        # ops its side ran on the reference: missing_ops and --reference-ops
     declined_calls: list[str]       # "op (reason)": calls of implemented ops it had no kernel for
+    memory: dict[str, Any] | None = None    # gpu_peak of the run (None off CUDA)
 
     @property
     def diverged(self) -> bool:
@@ -434,6 +436,7 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
 
     st_ref = st_hi = st_cand = State(ids)
     timings: dict[str, float] = {}
+    reset_gpu_peak(dev)
     for n, stage in enumerate(all_stages):
         if progress:
             progress(stage.name, n, len(all_stages))
@@ -473,7 +476,24 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
     logits = {"reference": st_ref.h} | ({"candidate": st_cand.h} if do_free else {})
     return RunResult(cfg, opts, results, logits, _verdict(results, runs, opts.budget), timings,
                      candidate.missing_ops(), delegated_ops(opts.candidate, opts.reference_families),
-                     sorted(cand_backend.declined))
+                     sorted(cand_backend.declined), gpu_peak(cfg, ids.numel(), dev))
+
+
+def reset_gpu_peak(device: str | torch.device) -> None:
+    """Start gpu_peak's measurement (nothing off CUDA)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def gpu_peak(cfg: ModelConfig, n_tokens: int, device: str | torch.device) -> dict[str, Any] | None:
+    """Peak GPU memory since reset_gpu_peak, against what streaming a layer at a time must hold: the largest
+    layer's stored weights plus the fp64 hidden streams [S, hc_mult, dim] of the floor run. None off CUDA."""
+    if torch.device(device).type != "cuda":
+        return None
+    peak, weights = torch.cuda.max_memory_allocated(device), layer_weight_bytes(cfg)
+    streams = n_tokens * cfg.hc_mult * cfg.dim * torch.float64.itemsize
+    return {"peak_bytes": peak, "layer_weight_bytes": weights, "fp64_stream_bytes": streams,
+            "ratio": peak / (weights + streams)}
 
 
 def _run_stage(stage, side: Side, state: State, observer, shadows=()) -> State:

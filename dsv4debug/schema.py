@@ -5,6 +5,7 @@ A *module* is a weight with its format: `layers.3.attn.wq_a` in format fp8 owns 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,12 @@ def expert_format(cfg: ModelConfig, layer: int) -> str:
     if cfg.expert_format == "nvfp4" and layer >= cfg.n_layers:
         return "mxfp4"
     return cfg.expert_format
+
+
+def layer_weight_bytes(cfg: ModelConfig) -> int:
+    """The largest main layer's stored weights in bytes: what streaming a layer at a time holds at once."""
+    return max(sum(math.prod(shape) * dtype.itemsize for m in block_modules(cfg, layer)
+                   for dtype, shape in m.tensors().values()) for layer in range(cfg.n_layers))
 
 
 def block_modules(cfg: ModelConfig, layer: int) -> list[ModuleSpec]:

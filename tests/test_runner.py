@@ -176,7 +176,8 @@ def test_cli_exit_codes(tiny_dir, tmp_path, capsys):
     assert not (tmp_path / "bad.h5").exists() and not (tmp_path / "bad.h5.tmp").exists()
     capsys.readouterr()
     assert code(*base, "--json", "--capture", str(tmp_path / "c.h5")) == 0
-    assert '"status": "clean"' in capsys.readouterr().out
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"]["status"] == "clean" and doc["memory"] is None          # no GPU peak off CUDA
     assert code(*base, "--capture", str(tmp_path / "c.h5")) == 2          # never overwrite without --force
     assert code(*base, "--capture", str(tmp_path / "c.h5"), "--force") == 0
 
@@ -236,7 +237,7 @@ def test_bisect_cli_stage_sweep_json_and_a_bad_judge(tiny_dir, capsys):
               "--inject", "swap_experts@layers.1:2,6"])
     assert e.value.code == 1
     (res,) = json.loads(capsys.readouterr().out)
-    assert res["judged_by"] == "sim" and res["culprit_stage"] == "layers.1"
+    assert res["judged_by"] == "sim" and res["culprit_stage"] == "layers.1" and res["memory"] is None
     with pytest.raises(SystemExit) as e:
         main(["bisect", str(tiny_dir), "--seq-len", "8", "--reference", "nope"])
     assert e.value.code == 2 and "--reference nope: unknown backend" in capsys.readouterr().err
@@ -450,3 +451,25 @@ def test_bisect_layers_names_a_culprit_only_on_a_decisive_step(tiny, tokens, mon
     res = b.layers()
     assert res.culprit_stage == culprit, res.message
     assert culprit or res.message.startswith("inconclusive")
+
+
+def test_layer_weight_bytes_is_the_largest_stored_layer(tiny):
+    """gpu_peak's denominator, from the schema, equals the largest main layer's bytes in the checkpoint's files."""
+    from dsv4debug.schema import layer_weight_bytes
+    stored = [row["bytes"] for row in tiny.info()["layers"] if row["layer"] < tiny.config.n_layers]
+    assert layer_weight_bytes(tiny.config) == max(stored)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_run_and_bisect_report_their_peak_gpu_memory(tiny, tokens):
+    """On a GPU, run and each bisect axis carry the peak allocated since they began, against one layer's
+    weights plus the fp64 streams; a run holds at least a layer's weights at once."""
+    from dsv4debug.schema import layer_weight_bytes
+    result = dd.run(tiny, tokens, candidate="reference", device="cuda")
+    m = result.memory
+    assert m["layer_weight_bytes"] == layer_weight_bytes(tiny.config) <= m["peak_bytes"]
+    assert m["fp64_stream_bytes"] == S * tiny.config.hc_mult * tiny.config.dim * 8
+    assert m["ratio"] == m["peak_bytes"] / (m["layer_weight_bytes"] + m["fp64_stream_bytes"])
+    (stages_result,) = bisect(tiny, tokens, "sim", "stages", device="cuda")
+    assert stages_result.memory["peak_bytes"] >= m["layer_weight_bytes"]

@@ -84,6 +84,7 @@ def _print_verdict(result) -> None:
         t.add_row("gain", "", "", "", "", _fmt(v["gain"]), "")
     if t.row_count:
         out.print(t)
+    _print_memory(result.memory)
     worst = [w for w in (v.get("worst_local") or v.get("worst") or []) if w["x_floor"] > 0]
     if worst:
         w = Table(title="worst sites (x floor)")
@@ -92,6 +93,15 @@ def _print_verdict(result) -> None:
         for row in worst[:8]:
             w.add_row(row["site"], row["family"], _fmt(row["error"]), _fmt(row["floor"]), _fmt(row["x_floor"]))
         out.print(w)
+
+
+def _print_memory(memory: dict[str, Any] | None, what: str = "") -> None:
+    """runner.gpu_peak's numbers in a line (nothing off CUDA)."""
+    if memory:
+        gib = 2 ** 30
+        out.print(f"peak GPU memory{what}: {memory['peak_bytes'] / gib:.2f} GiB = {memory['ratio']:.2f}x the largest "
+                  f"layer's stored weights ({memory['layer_weight_bytes'] / gib:.2f} GiB) and fp64 hidden streams "
+                  f"({memory['fp64_stream_bytes'] / gib:.2f} GiB)", highlight=False)
 
 
 def _site_width(sites: list[str]) -> dict:
@@ -164,7 +174,7 @@ def run(checkpoint: Path | None = CheckpointArg,
                "missing_ops": result.missing_ops,
                "delegated_ops": result.delegated_ops, "declined_calls": result.declined_calls,
                "moe": moe_diagnostics(result),
-               "timings_s": result.timings,
+               "timings_s": result.timings, "memory": result.memory,
                "capture": str(capture) if capture else None,
                "sites": [r.to_dict(result.options.budget) for r in result.sites]}
         print_json(doc)
@@ -263,6 +273,7 @@ def bisect(checkpoint: Path | None = CheckpointArg,
     else:
         for r in results:
             out.print(f"[bold]{r.axis}[/]: {r.message}", highlight=False)
+            _print_memory(r.memory, f" (since the search began, through {r.axis})")
     raise typer.Exit(1 if any(r.diverged for r in results) else 0)
 
 
