@@ -437,7 +437,7 @@ class CaptureWriter:
         self._file.flush()
         self._orders: dict[str, int] = {}
         self._seen: dict[str, set[str]] = {}
-        self._rows: dict[str, list[tuple]] = {}          # writer thread: site rows waiting for end_layer
+        self._rows: dict[str, list[np.ndarray]] = {}     # writer thread: site-table rows waiting for end_layer
         self._pool = ThreadPoolExecutor(workers or os.cpu_count() or 2, thread_name_prefix="capture-encode")
         self._prepare_q: queue.Queue = queue.Queue()
         self._write_q: queue.Queue = queue.Queue(maxsize=4)     # bounds encoded sites waiting for HDF5
