@@ -109,19 +109,35 @@ def clear_cache() -> None:
 
 def device_arch(device) -> str:
     """CuTeDSL target of a CUDA device: sm_90a for Hopper, sm_100a for Blackwell B200/GB200."""
+    arch = kernel_arch(device)
+    if arch is None:
+        raise RuntimeError(f"no CuTeDSL kernels are built for {gpu_name(device)} (targets: {', '.join(ARCHS)})")
+    return arch
+
+
+def kernel_arch(device) -> str | None:
+    """device_arch, or None for a GPU none of ARCHS runs on (callers with a torch path take it there)."""
     import torch
     index = device if isinstance(device, int) else torch.device(device).index
     return _arch_of(torch.cuda.current_device() if index is None else index)
 
 
-@functools.cache
-def _arch_of(index: int) -> str:         # launchers ask on every call: the query costs ~3 us
+def gpu_name(device) -> str:
+    """'NVIDIA A100-SXM4-80GB (sm_80)': for messages."""
     import torch
-    major, minor = torch.cuda.get_device_capability(index)
-    arch = {(9, 0): "sm_90a", (10, 0): "sm_100a"}.get((major, minor))
-    if arch is None:
-        raise RuntimeError(f"no CuTeDSL kernels are built for sm_{major}{minor} (targets: {', '.join(ARCHS)})")
-    return arch
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+
+
+@functools.cache
+def _arch_of(index: int) -> str | None:      # launchers ask on every call: the query costs ~3 us
+    import torch
+    return {(9, 0): "sm_90a", (10, 0): "sm_100a"}.get(torch.cuda.get_device_capability(index))
+
+
+def runnable_archs() -> set[str]:
+    """The targets every registered kernel is declared for: where a pipeline of all of them can run."""
+    return set(ARCHS).intersection(*(kd.archs for kd in REGISTRY.values()))
 
 
 def torch_to_cute(dtype):

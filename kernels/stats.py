@@ -33,6 +33,7 @@ from ._common import (
     f64_bits,
     fake_ptr,
     fake_stream,
+    kernel_arch,
     ptr,
     register,
 )
@@ -143,8 +144,9 @@ register(KernelDef("site_stats", "capture", BOTH, _build,
 # --------------------------------------------------------------------------------------------------------
 
 def supports(t) -> bool:
-    """Whether site_stats takes t: a contiguous bf16, fp32 or fp64 CUDA tensor, 16-byte aligned, whole vectors."""
-    if not (t.is_cuda and t.dtype in _TORCH_NAMES and t.is_contiguous()):
+    """Whether site_stats takes t: a contiguous bf16, fp32 or fp64 tensor, 16-byte aligned, whole vectors, on a
+    GPU it is built for (ARCHS; on any other the capture takes torch ops and says so in `gpu_statistics`)."""
+    if not (t.is_cuda and t.dtype in _TORCH_NAMES and t.is_contiguous() and kernel_arch(t.get_device())):
         return False
     return t.numel() > 0 and t.data_ptr() % 16 == 0 and t.numel() % (16 // t.element_size()) == 0
 

@@ -251,6 +251,32 @@ def test_kernels_candidate_without_a_gpu_is_bad_input(tiny_dir, capsys):
     assert "CUDA GPU" in capsys.readouterr().err
 
 
+def test_kernels_candidate_on_a_gpu_it_is_not_built_for_is_bad_input(monkeypatch):
+    """On a GPU outside the pipeline's targets (an A100, or a Blackwell for the Hopper-only GEMMs) the kernels
+    backend refuses at construction, naming the GPU, instead of failing at its first kernel mid-run; the
+    capture's statistics take torch ops there (site_stats `supports` no tensor)."""
+    pytest.importorskip("cutlass")
+    from types import SimpleNamespace
+
+    from dsv4_kernels import _common, stats
+
+    from dsv4debug.backends.kernels import KernelsBackend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_common, "gpu_name", lambda device: "NVIDIA A100-SXM4-80GB (sm_80)")
+    for arch in (None, "sm_100a"):
+        monkeypatch.setattr(_common, "kernel_arch", lambda device, arch=arch: arch)
+        with pytest.raises(BadInput, match=r"built for sm_90a; this GPU is NVIDIA A100-SXM4-80GB \(sm_80\)"):
+            KernelsBackend("cuda")
+    capabilities = {0: (8, 0), 1: (9, 0), 2: (10, 0), 3: (12, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capabilities[index])
+    assert [_common._arch_of.__wrapped__(i) for i in range(4)] == [None, "sm_90a", "sm_100a", None]
+    site = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, is_contiguous=lambda: True, get_device=lambda: 0,
+                           numel=lambda: 64, data_ptr=lambda: 0, element_size=lambda: 2)
+    for arch, taken in ((None, False), ("sm_90a", True), ("sm_100a", True)):
+        monkeypatch.setattr(stats, "kernel_arch", lambda index, arch=arch: arch)
+        assert stats.supports(site) is taken
+
+
 # the planted faults of issue #9, each named by run (layer and op) and by bisect (layer and op family)
 ISSUE9_FAULTS = [
     ("nan@layers.4.ffn.experts.1", "layers.4.ffn.experts.1", "experts"),            # NaN in one expert

@@ -75,6 +75,16 @@ def _load_gemm_kernels():
     return {"fp8": gemm_fp8, "w4": gemm_w4a16, "moe": moe, "pack": w4_pack}
 
 
+def _check_arch(device: torch.device) -> None:
+    """Refuse, before any launch, a GPU some of the pipeline's kernels are not built for (WGMMA GEMMs and
+    attention: Hopper only), instead of failing at the first such kernel mid-run."""
+    from dsv4_kernels._common import gpu_name, kernel_arch, runnable_archs
+    runnable = runnable_archs()
+    if kernel_arch(device) not in runnable:
+        raise BadInput(f"the kernels backend's pipeline is built for {', '.join(sorted(runnable))}; this GPU is "
+                       f"{gpu_name(device)}. Run another candidate (sim, sim-w4a16, a plugin) or that GPU")
+
+
 class KernelsBackend(Backend):
     name = "kernels"
     numerics = "quantized"
@@ -92,6 +102,7 @@ class KernelsBackend(Backend):
             raise BadInput(f"the kernels backend runs bf16 activations, not {dtype}")
         self._norm, self._rope, self._kv, self._mhc = _load_kernels()
         self._gemm = _load_gemm_kernels()
+        _check_arch(self.device)
         self._packs: dict[tuple, object] = {}           # packed weights per QWeight, dropped at end_stage
         self._gen = torch.Generator().manual_seed(0)     # block order of the paged KV round trip
 

@@ -116,7 +116,11 @@ def check_cmd(shapes: Annotated[str, typer.Option(help="pro | flash | tiny (mode
         raise BadInput("kernels check needs a CUDA GPU and this machine has none; nothing was checked "
                        "(`dsv4debug kernels compile` checks compilation without a GPU)")
     _need_cutedsl()
+    from dsv4_kernels._common import ARCHS, gpu_name, kernel_arch
     from dsv4_kernels.check import Checker, run_checks
+    if kernel_arch(torch.cuda.current_device()) is None:
+        raise BadInput(f"the kernels are built for {', '.join(ARCHS)}; this GPU is "
+                       f"{gpu_name(torch.cuda.current_device())}: nothing was checked")
     bad = [f for f in family or [] if f not in Checker.FAMILIES]
     if bad:
         raise BadInput(f"--family {', '.join(bad)}: choose from {', '.join(Checker.FAMILIES)}")
