@@ -1,12 +1,13 @@
 """The `dsv4debug` command line: a thin typer + rich skin over the Python API.
 
 Every command lives in dsv4debug/commands/<group>.py and calls into the API; this file only assembles them
-and maps errors to exit codes (BadInput -> 2 with one message, no traceback).
+and maps errors to exit codes (BadInput and a GPU out of memory -> 2 with one message, no traceback).
 """
 from __future__ import annotations
 
 import sys
 
+import torch
 import typer
 from rich.console import Console
 
@@ -41,4 +42,17 @@ def main(argv: list[str] | None = None) -> None:
     except typer.TyperException as e:               # usage errors: bad option, missing argument
         e.show()
         sys.exit(2)
+    except torch.cuda.OutOfMemoryError as e:        # the model, tokens or capture do not fit this GPU
+        err_console.print("[bold red]error:[/] ", end="")
+        err_console.print(_out_of_memory(e), markup=False, highlight=False)
+        sys.exit(2)
     sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def _out_of_memory(e: torch.cuda.OutOfMemoryError) -> str:
+    """One line for a GPU out of memory: torch's first sentence, what was allocated at the peak, what helps."""
+    what = str(e).split(". ")[0].strip()
+    gib = 2 ** 30
+    peak = f"; peak allocated {torch.cuda.max_memory_allocated() / gib:.2f} GiB" if torch.cuda.is_available() else ""
+    return (f"out of GPU memory ({what}{peak}): fewer tokens (--seq-len, --tokens), part of the model "
+            "(--layers A:B) or stats-only captures need less; a run holds one layer's weights at a time")

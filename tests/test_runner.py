@@ -182,6 +182,22 @@ def test_cli_exit_codes(tiny_dir, tmp_path, capsys):
     assert code(*base, "--capture", str(tmp_path / "c.h5"), "--force") == 0
 
 
+def test_gpu_out_of_memory_is_one_line_and_exit_2(tiny_dir, monkeypatch, capsys):
+    """A model or token count too large for the GPU ends with one line saying so and what helps, not a traceback."""
+    from dsv4debug.cli import main
+
+    def too_large(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                                          "capacity of 23.6 GiB of which 1.2 GiB is free.")
+    monkeypatch.setattr(dd, "run", too_large)
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(tiny_dir), "--seq-len", "8"])
+    assert e.value.code == 2
+    message = capsys.readouterr().err
+    assert "out of GPU memory (CUDA out of memory" in message and "--layers A:B" in message
+    assert "Traceback" not in message and len(message.strip().splitlines()) == 1
+
+
 class PartialKernels(registry.backend_class("reference")):
     """A candidate with kernels for some ops only (as `kernels` is): it declares them, the runner delegates
     the rest to the reference and names them; it also has no kernel for bf16-weight linears."""
