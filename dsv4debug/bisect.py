@@ -28,7 +28,15 @@ from .execute import Executor, ModuleCache, Side, WeightSource, check_faults_tar
 from .faults import Fault
 from .metrics import MIN_FLOORS
 from .model import State, stages
-from .runner import QUANTIZED_FREE_BAR, candidate_backend, gpu_peak, rel_l2, reset_gpu_peak, site_names
+from .runner import (
+    QUANTIZED_FREE_BAR,
+    candidate_backend,
+    current_device,
+    gpu_peak,
+    rel_l2,
+    reset_gpu_peak,
+    site_names,
+)
 
 # Tolerance at the logits in multiples of their floor (the judge in bf16 against itself in fp64, accumulated
 # over the whole model). Two independent bf16 implementations differ from each other by about sqrt(2) floors, so
@@ -333,11 +341,13 @@ def bisect(model: Checkpoint, token_ids: torch.Tensor, candidate: str, axis: str
     names = list(dict.fromkeys(n for part in axis.split(",") for n in aliases.get(part, (part,))))
     if bad := [n for n in names if n not in ("layers", "ops", "stages")]:
         raise BadInput(f"--axis {bad[0]!r}: choose layers, ops, stages (comma-separated), both or all")
-    reset_gpu_peak(kw.get("device", "cpu"))
-    b = Bisector(model, token_ids, candidate, **kw)
-    run = {"layers": b.layers, "ops": b.ops, "stages": b.stage_sweep}
-    results = []
-    for name in names:
-        results.append(run[name]())
-        results[-1].memory = gpu_peak(model.config, token_ids.numel(), b.device)
+    device = kw.get("device", "cpu")
+    with current_device(device):
+        reset_gpu_peak(device)
+        b = Bisector(model, token_ids, candidate, **kw)
+        run = {"layers": b.layers, "ops": b.ops, "stages": b.stage_sweep}
+        results = []
+        for name in names:
+            results.append(run[name]())
+            results[-1].memory = gpu_peak(model.config, token_ids.numel(), device)
     return results

@@ -12,6 +12,9 @@ weights and activations are dropped.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -402,6 +405,31 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
     With opts.layers = A:B, layers below A run on the reference only (both sides start layer A from the
     reference's streams) and the head runs only when B is the last layer.
     """
+    with current_device(opts.device):
+        return _run(checkpoint, token_ids, opts, recorder, progress, stage_done)
+
+
+def current_device(device: str | torch.device) -> contextlib.AbstractContextManager:
+    """A CUDA `device` (cuda:1) made the current one for the block: CuTeDSL kernels launch on the current
+    device's stream, and a capture's events and pinned copies are ordered on it."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def on_its_device(fn: Callable) -> Callable:
+    """fn runs with its `device` argument current (current_device)."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        with current_device(bound.arguments["device"]):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder, progress, stage_done) -> RunResult:
     cfg = checkpoint.config
     dev = opts.device
     ids = token_ids.to(dev)
@@ -525,6 +553,7 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.nan_to_num(), b.nan_to_num()) if a.is_floating_point() else torch.equal(a, b)
 
 
+@on_its_device
 def repeat_check(checkpoint, token_ids: torch.Tensor, candidate: str, repeats: int = 2, device: str = "cpu",
                  qat: bool = True, faults: list[Fault] = ()) -> dict[str, Any]:
     """Bitwise determinism of a backend: each stage runs `repeats` times on the same input; the first site
@@ -555,6 +584,7 @@ def repeat_check(checkpoint, token_ids: torch.Tensor, candidate: str, repeats: i
             "deterministic": first is None, "first_difference": first}
 
 
+@on_its_device
 def graph_check(checkpoint, token_ids: torch.Tensor, candidate: str, graph: str = "compile", device: str = "cpu",
                 qat: bool = True, faults: list[Fault] = (), layers: range | None = None,
                 reference_ops: tuple[str, ...] = (), budget: float = DEFAULT_BUDGET,

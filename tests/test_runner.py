@@ -515,3 +515,27 @@ def test_run_and_bisect_report_their_peak_gpu_memory(tiny, tokens):
     assert m["ratio"] == m["peak_bytes"] / (m["layer_weight_bytes"] + m["fp64_stream_bytes"])
     (stages_result,) = bisect(tiny, tokens, "sim", "stages", device="cuda")
     assert stages_result.memory["peak_bytes"] >= m["layer_weight_bytes"]
+
+
+def test_runs_make_their_device_current(tiny, tokens, monkeypatch):
+    """run, bisect, repeat_check and graph_check make their CUDA device current (cuda:1 too): CuTeDSL kernels
+    launch on the current device's stream and the capture orders its copies there."""
+    import contextlib
+
+    from dsv4debug import bisect as bisect_module
+    from dsv4debug import runner
+    assert isinstance(runner.current_device("cpu"), contextlib.nullcontext)
+    assert runner.current_device("cuda:1").idx == 1
+    seen = []
+
+    def spy(device):
+        seen.append(str(device))
+        return contextlib.nullcontext()
+    monkeypatch.setattr(runner, "current_device", spy)
+    monkeypatch.setattr(bisect_module, "current_device", spy)
+    ids = tokens[:16]
+    dd.run(tiny, ids, candidate="reference")
+    bisect(tiny, ids, "reference", "stages")
+    runner.repeat_check(tiny, ids, "reference")
+    runner.graph_check(tiny, ids, "reference", "compile:eager", layers=range(1))
+    assert seen == ["cpu"] * 4
