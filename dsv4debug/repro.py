@@ -24,7 +24,7 @@ from .execute import Executor, Side, WeightSource, cast_activations
 from .faults import Fault, parse_fault
 from .metrics import MIN_FLOORS, compare_fast
 from .model import State, W, stages
-from .runner import QUANTIZED_LOCAL_BARS
+from .runner import QUANTIZED_LOCAL_BARS, on_its_device
 
 FORMAT = "dsv4debug-repro"
 
@@ -59,6 +59,7 @@ def op_site(cfg: ModelConfig, site: str, seqlen: int) -> str:
     return site          # an expert that the shape trace did not route to: still an op site
 
 
+@on_its_device
 def make_repro(model, token_ids: torch.Tensor, site: str, out_dir: Path, candidate: str,
                faults: list[Fault], qat: bool = True, device: str = "cpu", force: bool = False) -> Path:
     out_dir = Path(out_dir)
@@ -124,6 +125,7 @@ class _SavedWeights:
         pass
 
 
+@on_its_device
 def replay(repro_dir: Path, candidate: str | None = None, inject: list[str] = (), device: str = "cpu",
            budget: float = 8.0, clean_weights: bool = False) -> dict[str, Any]:
     """Run the saved op with the reference (bf16, fp64) and the candidate; compare as the runner does.

@@ -411,9 +411,28 @@ def run(checkpoint, token_ids: torch.Tensor, opts: RunOptions, recorder=None,
 
 def current_device(device: str | torch.device) -> contextlib.AbstractContextManager:
     """A CUDA `device` (cuda:1) made the current one for the block: CuTeDSL kernels launch on the current
-    device's stream, and a capture's events and pinned copies are ordered on it."""
-    device = torch.device(device)
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    device's stream, and a capture's events and pinned copies are ordered on it. Checks the device first."""
+    device = checked_device(device)
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device.index)
+    return contextlib.nullcontext()
+
+
+def checked_device(device: str | torch.device) -> torch.device:
+    """The device, or BadInput naming it when it is malformed or not on this machine."""
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise BadInput(f"--device {device}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BadInput(f"--device {device}: this machine has no CUDA GPU (torch {torch.__version__}"
+                           f"{'' if torch.version.cuda else ', a CPU-only build'})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise BadInput(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif device.type != "cpu":
+        raise BadInput(f"--device {device}: runs on cpu or cuda")
+    return device
 
 
 def on_its_device(fn: Callable) -> Callable:

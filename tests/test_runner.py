@@ -524,8 +524,6 @@ def test_runs_make_their_device_current(tiny, tokens, monkeypatch):
 
     from dsv4debug import bisect as bisect_module
     from dsv4debug import runner
-    assert isinstance(runner.current_device("cpu"), contextlib.nullcontext)
-    assert runner.current_device("cuda:1").idx == 1
     seen = []
 
     def spy(device):
@@ -539,3 +537,24 @@ def test_runs_make_their_device_current(tiny, tokens, monkeypatch):
     runner.repeat_check(tiny, ids, "reference")
     runner.graph_check(tiny, ids, "reference", "compile:eager", layers=range(1))
     assert seen == ["cpu"] * 4
+
+
+def test_devices_are_checked_and_cuda_n_made_current(monkeypatch):
+    """--device is checked before anything runs (exit 2 naming it); cuda:N becomes the current device, plain
+    cuda leaves the current one."""
+    import contextlib
+
+    from dsv4debug import runner
+    for bad, message in (("tpu", "not a device"), ("mps", "runs on cpu or cuda")):
+        with pytest.raises(BadInput, match=f"--device {bad}: {message}"):
+            runner.current_device(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BadInput, match="--device cuda: this machine has no CUDA GPU"):
+        runner.current_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert runner.current_device("cuda:1").idx == 1
+    assert isinstance(runner.current_device("cuda"), contextlib.nullcontext)
+    assert isinstance(runner.current_device("cpu"), contextlib.nullcontext)
+    with pytest.raises(BadInput, match="--device cuda:2: this machine has 2 CUDA GPU"):
+        runner.current_device("cuda:2")
