@@ -25,7 +25,7 @@ from .errors import BadInput
 from .execute import Executor, OpEvent, Side, WeightSource
 from .faults import Fault, parse_fault
 from .model import State, stages
-from .runner import RunOptions, RunResult, delegated_ops, parse_layers
+from .runner import RunOptions, RunResult, delegated_ops, on_its_device, parse_layers
 from .runner import run as run_side_by_side
 from .synth import default_checkpoint
 
@@ -92,6 +92,7 @@ class ReferenceOutput:
     mtp_logits: torch.Tensor | None = None                 # [S, vocab] draft of token t+2 (mtp=True)
 
 
+@on_its_device
 def reference(model: Checkpoint, token_ids: torch.Tensor, dtype: str | torch.dtype = "bf16",
               device: str = "cpu", qat: bool = True, keep_sites: str | None = None, stream: bool = True,
               backend: str = "reference", faults: list[str] | None = None, mtp: bool = False,
