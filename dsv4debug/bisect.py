@@ -31,6 +31,7 @@ from .model import State, stages
 from .runner import (
     QUANTIZED_FREE_BAR,
     candidate_backend,
+    check_budget,
     current_device,
     gpu_peak,
     rel_l2,
@@ -109,6 +110,7 @@ class Bisector:
                  device: str = "cpu", qat: bool = True, faults: list[Fault] = (), budget: float = BISECT_BUDGET,
                  on_probe: Callable[[Probe], None] | None = None, free_routing: bool = False,
                  progress: Callable[[str, int, int], None] | None = None):
+        check_budget(budget)
         self.model, self.ids, self.device, self.qat = model, token_ids.to(device), device, qat
         # every probe and floor routes by the judge's expert ids unless free_routing: a near-tie that flips
         # moves a token's whole expert output, and the fp64 floor flips many more than a bf16 candidate (on the

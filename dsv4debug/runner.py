@@ -90,6 +90,13 @@ class RunOptions:
             raise BadInput(f"--forcing {self.forcing!r}: choose op or layer")
         if self.pin_router not in (None, *ROUTER_PINS):
             raise BadInput(f"--pin-router {self.pin_router!r}: choose {' or '.join(ROUTER_PINS)}")
+        check_budget(self.budget)
+
+
+def check_budget(budget: float) -> None:
+    """A tolerance in multiples of the noise floor must be positive (<= 0 calls every site divergent)."""
+    if not budget > 0:
+        raise BadInput(f"--budget {budget}: the tolerance in multiples of the noise floor must be > 0")
 
 
 @dataclass
@@ -387,7 +394,8 @@ def parse_layers(text: str | None, cfg: ModelConfig) -> range | None:
     except (ValueError, TypeError):
         raise BadInput(f"--layers {text!r}: expected A:B or A") from None
     if not rng or rng.start >= cfg.n_layers or rng.start < 0:
-        raise BadInput(f"--layers {text!r}: the model has layers 0..{cfg.n_layers - 1}")
+        raise BadInput(f"--layers {text!r}: {'selects no layer' if not rng else 'out of range'}; the model has "
+                       f"layers 0..{cfg.n_layers - 1}")
     return rng
 
 

@@ -170,6 +170,8 @@ def test_cli_exit_codes(tiny_dir, tmp_path, capsys):
     assert code(*base) == 0
     assert code(*base, "--inject", "nan@layers.1.ffn.shared_experts") == 1
     assert code(*base, "--candidate", "nope") == 2
+    assert code(*base, "--budget", "0") == 2 and code(*base, "--layers", "4:2") == 2   # all divergent / no layer
+    assert code("bisect", str(tiny_dir), "--seq-len", "8", "--budget", "-1") == 2
     assert code("run", str(tmp_path / "missing"), "--seq-len", "8") == 2
     assert code(*base, "--save", "tokens:5:2", "--capture", str(tmp_path / "bad.h5")) == 2      # bad policy
     assert code(*base, "--save", "full") == 2                      # tensors to store, but nowhere to store them

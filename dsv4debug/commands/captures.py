@@ -1,6 +1,7 @@
 """`inspect`, `report` and `diff`: read captures; tables with rich, one JSON document with --json."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -163,7 +164,7 @@ def diff(a: Annotated[Path, typer.Argument(help="first capture (the reference si
          as_json: JsonOpt = False) -> None:
     rule_set = load_rules(rules)
     with Progress(TextColumn("diff {task.completed} sites {task.description}"), console=Console(stderr=True),
-                  transient=True) as progress:
+                  transient=True, disable=as_json or not sys.stderr.isatty()) as progress:
         task = progress.add_task("", total=None)
         result = diff_captures(a, b, run_a, run_b, rule_set,
                                on_site=lambda r: progress.update(task, advance=1, description=r["site"]))
