@@ -798,6 +798,8 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_writable(path: Path, tmp: Path, force: bool) -> None:
+    if not path.parent.is_dir():
+        raise BadInput(f"{path}: its folder {path.parent} does not exist")
     if force:
         tmp.unlink(missing_ok=True)
         return

@@ -1,7 +1,8 @@
 """The `dsv4debug` command line: a thin typer + rich skin over the Python API.
 
 Every command lives in dsv4debug/commands/<group>.py and calls into the API; this file only assembles them
-and maps errors to exit codes (BadInput and a GPU out of memory -> 2 with one message, no traceback).
+and maps errors to exit codes (BadInput, a GPU out of memory and a path the system refuses -> 2 with one
+message, no traceback).
 """
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     except torch.cuda.OutOfMemoryError as e:        # the model, tokens or capture do not fit this GPU
         err_console.print("[bold red]error:[/] ", end="")
         err_console.print(_out_of_memory(e), markup=False, highlight=False)
+        sys.exit(2)
+    except OSError as e:                             # a path the system refused: missing folder, no permission,
+        err_console.print("[bold red]error:[/] ", end="")   # a directory, a full disk
+        err_console.print(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e), markup=False,
+                          highlight=False)
         sys.exit(2)
     sys.exit(rc if isinstance(rc, int) else 0)
 

@@ -175,6 +175,8 @@ def test_cli_exit_codes(tiny_dir, tmp_path, capsys):
     assert code("run", str(tmp_path / "missing"), "--seq-len", "8") == 2
     assert code(*base, "--save", "tokens:5:2", "--capture", str(tmp_path / "bad.h5")) == 2      # bad policy
     assert code(*base, "--save", "full") == 2                      # tensors to store, but nowhere to store them
+    assert code(*base, "--capture", str(tmp_path / "no" / "c.h5")) == 2                       # no such folder
+    assert code("report", str(tmp_path / "c.h5"), "--html", str(tmp_path)) == 2   # before c.h5 exists: no file
     assert not (tmp_path / "bad.h5").exists() and not (tmp_path / "bad.h5.tmp").exists()
     capsys.readouterr()
     assert code(*base, "--json", "--capture", str(tmp_path / "c.h5")) == 0
@@ -182,6 +184,9 @@ def test_cli_exit_codes(tiny_dir, tmp_path, capsys):
     assert doc["verdict"]["status"] == "clean" and doc["memory"] is None          # no GPU peak off CUDA
     assert code(*base, "--capture", str(tmp_path / "c.h5")) == 2          # never overwrite without --force
     assert code(*base, "--capture", str(tmp_path / "c.h5"), "--force") == 0
+    capsys.readouterr()
+    assert code("report", str(tmp_path / "c.h5"), "--html", str(tmp_path)) == 2    # the HTML path is a folder
+    assert "Is a directory" in capsys.readouterr().err
 
 
 def test_gpu_out_of_memory_is_one_line_and_exit_2(tiny_dir, monkeypatch, capsys):

@@ -27,7 +27,7 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable output 
 def _progress():
     """A byte progress bar on stderr (stdout stays clean for --json)."""
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err_console, transient=True) as progress:
+    with Progress(*columns, console=err_console, transient=True, disable=not err_console.is_terminal) as progress:
         yield progress
 
 
