@@ -34,9 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rc = app(args=argv, standalone_mode=False)   # click returns typer.Exit codes here
     except BadInput as e:
-        err_console.print("[bold red]error:[/] ", end="")
-        err_console.print(str(e), markup=False, highlight=False)   # messages may hold [brackets]
-        sys.exit(2)
+        _fail(str(e))
     except typer.Abort:
         err_console.print("aborted")
         sys.exit(2)
@@ -44,15 +42,17 @@ def main(argv: list[str] | None = None) -> None:
         e.show()
         sys.exit(2)
     except torch.cuda.OutOfMemoryError as e:        # the model, tokens or capture do not fit this GPU
-        err_console.print("[bold red]error:[/] ", end="")
-        err_console.print(_out_of_memory(e), markup=False, highlight=False)
-        sys.exit(2)
+        _fail(_out_of_memory(e))
     except OSError as e:                             # a path the system refused: missing folder, no permission,
-        err_console.print("[bold red]error:[/] ", end="")   # a directory, a full disk
-        err_console.print(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e), markup=False,
-                          highlight=False)
-        sys.exit(2)
+        _fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))   # a directory, a full disk
     sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def _fail(message: str) -> None:
+    """One line on stderr, exit 2."""
+    err_console.print("[bold red]error:[/] ", end="")
+    err_console.print(message, markup=False, highlight=False)   # messages may hold [brackets]
+    sys.exit(2)
 
 
 def _out_of_memory(e: torch.cuda.OutOfMemoryError) -> str:
