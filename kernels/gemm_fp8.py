@@ -37,8 +37,10 @@ def fmax_nan(a: Float32, b: Float32) -> Float32:
 # --------------------------------------------------------------------------------------------------------
 
 class Fp8ActQuant:
-    """x bf16 [M, K] -> xq e4m3 [M, K], sa fp32 [K/128, M]; 16 threads per block, 8 elements a thread."""
-    threads = 256
+    """x bf16 [M, K] -> xq e4m3 [M, K], sa fp32 [K/128, M]; 16 threads per block, 8 elements a vector, VECS
+    vectors a thread, all loaded before any is converted (one 16-byte load in flight a thread left the copy
+    rate at half)."""
+    threads, vecs = 256, 4
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, q_ptr: cute.Pointer, s_ptr: cute.Pointer, m: Int32, k: Int32, stream):
@@ -46,17 +48,24 @@ class Fp8ActQuant:
         mX = cute.make_tensor(x_ptr, cute.make_layout((8, nvec), stride=(1, 8)))
         mQ = cute.make_tensor(q_ptr, cute.make_layout((8, nvec), stride=(1, 8)))
         mS = cute.make_tensor(s_ptr, cute.make_layout((k // 128, m), stride=(m, 1)))
-        self.kernel(mX, mQ, mS, nvec, k).launch(grid=[cute.ceil_div(nvec, self.threads), 1, 1],
+        self.kernel(mX, mQ, mS, nvec, k).launch(grid=[cute.ceil_div(nvec, self.threads * self.vecs), 1, 1],
                                                  block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, nvec: Int32, k: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        v = bidx * self.threads + tidx
-        vc = cutlass.min(v, nvec - 1)        # nvec is a multiple of 16: whole 16-lane groups are in or out
-        rX = cute.make_rmem_tensor(8, BFloat16)
-        cute.autovec_copy(mX[None, vc], rX)
+        first = bidx * self.threads * self.vecs + tidx
+        rX = cute.make_rmem_tensor((8, self.vecs), BFloat16)
+        for j in cutlass.range_constexpr(self.vecs):
+            # nvec is a multiple of 16: whole 16-lane groups (one 128-wide block) are in or out
+            cute.autovec_copy(mX[None, cutlass.min(first + j * self.threads, nvec - 1)], rX[None, j])
+        for j in cutlass.range_constexpr(self.vecs):
+            self.quantize(rX[None, j], mQ, mS, first + j * self.threads, nvec, k)
+
+    @cute.jit
+    def quantize(self, rX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, v: Int32, nvec: Int32, k: Int32):
+        """Vector v's 8 values (rX) -> e4m3 codes; lane 0 of its 16 writes the block's scale."""
         x = rX.load().to(Float32)
         amax = Float32(0.0)
         for i in cutlass.range_constexpr(8):
@@ -161,39 +170,45 @@ class Fp8BlockGemm(TmaOperandsAB):
             row_lo = cutlass.min(by * self.tile_m + r_lo, m - 1)
             row_hi = cutlass.min(by * self.tile_m + r_hi, m - 1)
 
-            # pairs of k-tiles keep the buffer choice static; the pipeline states advance only in the loop body
+            # pairs of k-tiles keep the buffer choice static; the pipeline states advance only in the loop body.
+            # Each tile's scales are loaded as its WGMMAs are queued, a tile before its promotion needs them:
+            # loaded at the promotion, their global-load latency stalled every k-step (the tensor cores idle).
             rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             rl = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            lo0, hi0 = self.scales(mSA, mSB, bx, 0, row_lo, row_hi)
             self.issue(tiled_mma, tCrA, tCrB, tmp0, pipe, rd)
             rd.advance()
             for kp in cutlass.range((k_tiles - 1) // 2, unroll=1):
+                lo1, hi1 = self.scales(mSA, mSB, bx, 2 * kp + 1, row_lo, row_hi)
                 self.issue(tiled_mma, tCrA, tCrB, tmp1, pipe, rd)            # tile 2kp + 1
                 rd.advance()
                 warpgroup.wait_group(1)                                     # tile 2kp is done
                 pipe.consumer_release(rl)
                 rl.advance()
-                self.promote(acc, tmp0, mSA, mSB, bx, 2 * kp, row_lo, row_hi)
+                self.promote(acc, tmp0, lo0, hi0)
+                lo0, hi0 = self.scales(mSA, mSB, bx, 2 * kp + 2, row_lo, row_hi)
                 self.issue(tiled_mma, tCrA, tCrB, tmp0, pipe, rd)            # tile 2kp + 2
                 rd.advance()
                 warpgroup.wait_group(1)
                 pipe.consumer_release(rl)
                 rl.advance()
-                self.promote(acc, tmp1, mSA, mSB, bx, 2 * kp + 1, row_lo, row_hi)
+                self.promote(acc, tmp1, lo1, hi1)
             last = k_tiles - 1 - (k_tiles - 1) % 2                          # the tile now in tmp0
             rl_next = rl.clone()
             rl_next.advance()
             if k_tiles % 2 == 0:                                            # one more tile, into tmp1
+                lo1, hi1 = self.scales(mSA, mSB, bx, last + 1, row_lo, row_hi)
                 self.issue(tiled_mma, tCrA, tCrB, tmp1, pipe, rd)
                 warpgroup.wait_group(1)
                 pipe.consumer_release(rl)
-                self.promote(acc, tmp0, mSA, mSB, bx, last, row_lo, row_hi)
+                self.promote(acc, tmp0, lo0, hi0)
                 warpgroup.wait_group(0)
                 pipe.consumer_release(rl_next)
-                self.promote(acc, tmp1, mSA, mSB, bx, last + 1, row_lo, row_hi)
+                self.promote(acc, tmp1, lo1, hi1)
             else:
                 warpgroup.wait_group(0)
                 pipe.consumer_release(rl)
-                self.promote(acc, tmp0, mSA, mSB, bx, last, row_lo, row_hi)
+                self.promote(acc, tmp0, lo0, hi0)
 
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, c = tCcC[i]
@@ -215,12 +230,14 @@ class Fp8BlockGemm(TmaOperandsAB):
         warpgroup.commit_group()
 
     @cute.jit
-    def promote(self, acc: cute.Tensor, tmp: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor, bx: Int32,
-                kt: Int32, row_lo: Int32, row_hi: Int32):
-        """acc += tmp * sa[row, kt] * sb[n-block, kt] (values alternate rows r, r + 8 in pairs)."""
+    def scales(self, mSA: cute.Tensor, mSB: cute.Tensor, bx: Int32, kt: Int32, row_lo: Int32, row_hi: Int32):
+        """The promotion factors of k-tile kt for this thread's rows: sa[row, kt] * sb[n-block, kt]."""
         sb = mSB[bx, kt]
-        s_lo = mSA[kt, row_lo] * sb
-        s_hi = mSA[kt, row_hi] * sb
+        return mSA[kt, row_lo] * sb, mSA[kt, row_hi] * sb
+
+    @cute.jit
+    def promote(self, acc: cute.Tensor, tmp: cute.Tensor, s_lo: Float32, s_hi: Float32):
+        """acc += tmp * scale of its row (values alternate rows r, r + 8 in pairs)."""
         for i4 in cutlass.range_constexpr(cute.size(acc) // 4):
             acc[i4 * 4 + 0] = acc[i4 * 4 + 0] + tmp[i4 * 4 + 0] * s_lo
             acc[i4 * 4 + 1] = acc[i4 * 4 + 1] + tmp[i4 * 4 + 1] * s_lo

@@ -63,7 +63,8 @@ def test_ptx_fp8_gemm_and_quant():
     gemm = _ptx(gemm_fp8._build_gemm)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in gemm
     quant = _ptx(gemm_fp8._build_quant)
-    assert quant.count("cvt.rn.satfinite.e4m3x2.f32") == 4 and "div.rn.f32" in quant
+    # 4 conversions of two values a vector, VECS vectors a thread
+    assert quant.count("cvt.rn.satfinite.e4m3x2.f32") == 4 * gemm_fp8.Fp8ActQuant.vecs and "div.rn.f32" in quant
 
 
 def test_invalid_configs_are_refused():
