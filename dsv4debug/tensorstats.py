@@ -193,9 +193,12 @@ def combine_segments(rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, n
     within = np.arange(len(p)) - np.repeat(st, cnt)               # each row's block index in its site
     bad = np.where(p[:, 6] >= 0, within * blk[owner] + p[:, 6], np.inf)
     first = np.minimum.reduceat(bad, st)
-    with np.errstate(invalid="ignore", divide="ignore"):
+    # a sum of squares past float64's range (fp32 values near their max) is inf: the std is then inf, not the
+    # NaN of inf - inf
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         mean = np.where(n_finite > 0, total / n_finite, np.nan)
         var = np.maximum((sumsq - total * mean) / np.maximum(n_finite - 1, 1), 0.0)
+        var[np.isinf(sumsq)] = np.inf
     out[some] = np.stack([n_nan, n - n_finite - n_nan, lo, hi, mean, np.where(n_finite > 0, np.sqrt(var), np.nan),
                           np.maximum(np.abs(lo), np.abs(hi)), np.sqrt(sumsq), np.where(np.isinf(first), -1, first)],
                          axis=1)

@@ -463,6 +463,20 @@ def test_device_and_host_statistics_agree(dtype, monkeypatch):
     assert [device[i] for i in (4, 5, 7)] == pytest.approx([host[i] for i in (4, 5, 7)], rel=rel)
 
 
+def test_std_past_float64_range_is_inf_without_a_warning():
+    """A finite fp64 site whose sum of squares overflows float64 has std inf (not the NaN of inf - inf), and
+    combining its statistics raises no numpy overflow warning."""
+    import warnings
+
+    from dsv4debug import tensorstats as ts
+    x = np.array([1e200, -1e200, 1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        values = ts.combine_blocks([ts.block_stats(x)], x.size, x.size)
+    stats = dict(zip(ts.STAT_VALUES, values))
+    assert stats["std"] == math.inf and stats["absmax"] == 1e200 and stats["nan_count"] == 0
+
+
 def test_combine_segments_equals_combine_blocks_site_by_site(monkeypatch):
     """A GPU capture combines a layer's statistics rows for all its sites at once (combine_segments): the same
     values as combine_blocks site by site, for sites of one or several blocks, of different block sizes, empty,
