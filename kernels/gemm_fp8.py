@@ -15,7 +15,7 @@ y[m, n] = sum_kb sa[kb, m] * sb[n / 128, kb] * sum_{k in block kb} xq[m, k] * wq
 from __future__ import annotations
 
 import cutlass
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, cute, pipeline
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, cute, pipeline
 from cutlass.cute.nvgpu import warpgroup
 
 from ._common import KernelDef, bits_f32, f32_bits, fake_ptr, fake_stream, register
@@ -25,6 +25,12 @@ SM90 = ("sm_90a",)
 SMEM_BYTES = 227 * 1024
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
+
+
+def bf16x2(lo: Float32, hi: Float32) -> Uint32:
+    """Two fp32 values rounded to bf16 (round to nearest even) in one 32-bit word, lo in the low half."""
+    return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32],
+                                read_only_args=[hi, lo])
 
 
 def fmax_nan(a: Float32, b: Float32) -> Float32:
@@ -109,7 +115,8 @@ register(KernelDef("fp8_act_quant", "linear", ("sm_90a", "sm_100a"), _build_quan
 # --------------------------------------------------------------------------------------------------------
 
 class Fp8BlockGemm(TmaOperandsAB):
-    """xq e4m3 [M, K] (K-major), w e4m3 [N, K] (K-major), sa fp32 [K/128, M], sb fp32 [N/128, K/128] -> y bf16."""
+    """xq e4m3 [M, K] (K-major), w e4m3 [N, K] (K-major), sa fp32 [K/128, M], sb fp32 [N/128, K/128] -> y bf16
+    [M, N], written as bf16 pairs (y_ptr: 32-bit words, [M, N/2])."""
     threads = 384
 
     def __init__(self, tile_n: int = 128):
@@ -127,7 +134,7 @@ class Fp8BlockGemm(TmaOperandsAB):
         mB = cute.make_tensor(w_ptr, cute.make_layout((n, k), stride=(k, 1)))
         mSA = cute.make_tensor(sa_ptr, cute.make_layout((kb, m), stride=(m, 1)))
         mSB = cute.make_tensor(sb_ptr, cute.make_layout((n // 128, kb), stride=(kb, 1)))
-        mY = cute.make_tensor(y_ptr, cute.make_layout((m, n), stride=(n, 1)))
+        mY = cute.make_tensor(y_ptr, cute.make_layout((m, n // 2), stride=(n // 2, 1)))
 
         tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout = self.tma_operands(Float8E4M3FN, mA, mB)
         # grid: x over N tiles (consecutive CTAs share the activation tile), y over M tiles
@@ -210,11 +217,13 @@ class Fp8BlockGemm(TmaOperandsAB):
                 pipe.consumer_release(rl)
                 self.promote(acc, tmp0, lo0, hi0)
 
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                r, c = tCcC[i]
+            # a thread's values come in pairs of adjacent columns (c even): one 32-bit store a pair (2-byte
+            # stores took twice the store instructions of an epilogue no main loop hides)
+            for i in cutlass.range_constexpr(cute.size(acc) // 2):
+                r, c = tCcC[2 * i]
                 row = by * self.tile_m + r
                 if row < m:
-                    mY[row, bx * self.tile_n + c] = acc[i].to(BFloat16)
+                    mY[row, (bx * self.tile_n + c) // 2] = bf16x2(acc[2 * i], acc[2 * i + 1])
 
 
     @cute.jit
@@ -247,7 +256,7 @@ class Fp8BlockGemm(TmaOperandsAB):
 
 def _build_gemm():
     return Fp8BlockGemm(), (fake_ptr(Float8E4M3FN), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4),
-                            fake_ptr(Float32, 4), fake_ptr(BFloat16), Int32(256), Int32(1536), Int32(7168),
+                            fake_ptr(Float32, 4), fake_ptr(Uint32, 4), Int32(256), Int32(1536), Int32(7168),
                             fake_stream())
 
 
@@ -295,10 +304,13 @@ def fp8_gemm(xq, sa, w, sb, out=None):
     if sb.shape != (n // 128, k // 128) or sa.shape != (k // 128, m):
         raise ValueError("fp8 GEMM scale shapes do not match the operands")
     check_numel(xq, w)
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=xq.device) if out is None else out
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=xq.device)
+    elif out.dtype != torch.bfloat16 or out.shape != (m, n) or not out.is_contiguous():
+        raise ValueError(f"fp8 GEMM writes a contiguous bf16 [{m}, {n}], not {out.dtype} {tuple(out.shape)}")
     if m:
         fn = compile_kernel("fp8_block_gemm", device_arch(xq.device))
-        fn(ptr(xq), ptr(w), ptr(sa, align=4), ptr(sb, align=4), ptr(out), Int32(m), Int32(n), Int32(k),
+        fn(ptr(xq), ptr(w), ptr(sa, align=4), ptr(sb, align=4), ptr(out, Uint32, 4), Int32(m), Int32(n), Int32(k),
            current_stream())
     return out
 

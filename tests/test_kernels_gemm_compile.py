@@ -62,9 +62,21 @@ def test_ptx_has_register_sourced_bf16_wgmma_and_no_fp4_conversion():
 def test_ptx_fp8_gemm_and_quant():
     gemm = _ptx(gemm_fp8._build_gemm)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in gemm
+    # the epilogue stores bf16 pairs: one cvt.rn.bf16x2 and one 32-bit store a pair, no 2-byte stores
+    assert gemm.count("cvt.rn.bf16x2.f32") == gemm.count("st.global.b32") == 32 and "st.global.b16" not in gemm
     quant = _ptx(gemm_fp8._build_quant)
     # 4 conversions of two values a vector, VECS vectors a thread
     assert quant.count("cvt.rn.satfinite.e4m3x2.f32") == 4 * gemm_fp8.Fp8ActQuant.vecs and "div.rn.f32" in quant
+
+
+def test_fp8_gemm_refuses_an_output_it_cannot_write():
+    import torch
+    xq, w = torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.zeros(128, 128, dtype=torch.float8_e4m3fn)
+    sa, sb = torch.ones(1, 4), torch.ones(1, 1)
+    for out in (torch.empty(4, 128), torch.empty(4, 256, dtype=torch.bfloat16),
+                torch.empty(128, 4, dtype=torch.bfloat16).t()):
+        with pytest.raises(ValueError, match="contiguous bf16"):
+            gemm_fp8.fp8_gemm(xq, sa, w, sb, out)
 
 
 def test_invalid_configs_are_refused():
