@@ -62,8 +62,8 @@ def test_ptx_has_register_sourced_bf16_wgmma_and_no_fp4_conversion():
 def test_ptx_fp8_gemm_and_quant():
     gemm = _ptx(gemm_fp8._build_gemm)
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in gemm
-    # the epilogue stores bf16 pairs: one cvt.rn.bf16x2 and one 32-bit store a pair, no 2-byte stores
-    assert gemm.count("cvt.rn.bf16x2.f32") == gemm.count("st.global.b32") == 32 and "st.global.b16" not in gemm
+    # the epilogue: 32 bf16 pairs a thread (cvt.rn.bf16x2), swapped within quads, stored as 8 x 16 bytes
+    assert gemm.count("cvt.rn.bf16x2.f32") == 32 and gemm.count("st.global") == gemm.count("st.global.v4.b32") == 8
     quant = _ptx(gemm_fp8._build_quant)
     # 4 conversions of two values a vector, VECS vectors a thread
     assert quant.count("cvt.rn.satfinite.e4m3x2.f32") == 4 * gemm_fp8.Fp8ActQuant.vecs and "div.rn.f32" in quant
