@@ -239,7 +239,8 @@ class Fp8BlockGemm(TmaOperandsAB):
                     words.append(bf16x2(acc[(4 * g + d) * 4 + 2 * h], acc[(4 * g + d) * 4 + 2 * h + 1]))
                 out = list(words)
                 for k in cutlass.range_constexpr(1, 4):
-                    give = (q - k) % 4                      # this lane's word for the lane q - k of the quad
+                    give = (q + 4 - k) % 4                  # this lane's word for lane q - k of the quad (% of a
+                                                            # negative Int32 is negative, as in C)
                     send = cutlass.select_(give == 0, words[0], cutlass.select_(
                         give == 1, words[1], cutlass.select_(give == 2, words[2], words[3])))
                     src = (q + k) % 4                       # which sends its word for block 4g + q
