@@ -10,7 +10,8 @@ y[m, n] = sum_kb sa[kb, m] * sb[n / 128, kb] * sum_{k in block kb} xq[m, k] * wq
   warpgroups (64 rows each), 4 WGMMA m64n128k32 per stage into a fresh fp32 accumulator which is then
   promoted into the main fp32 accumulator times sa * sb (DeepGEMM's per-block promotion: Hopper's FP8 WGMMA
   accumulates with reduced precision, so no product sum runs longer than one 128-wide block).
-  Scales are powers of two, so the promotion multiply is exact.
+  Scales are powers of two, so the promotion multiply is exact. A k-tile's scales are loaded as its WGMMAs
+  are queued; the epilogue stores 16 bytes a lane after a shuffle exchange within each quad (`store`).
 """
 from __future__ import annotations
 
