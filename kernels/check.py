@@ -24,7 +24,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -83,9 +83,15 @@ class Row:
     mismatches: int | None = None
     note: str = ""
     bench: dict[str, Any] = field(default_factory=dict)
+    not_run: str = ""                       # why the check did not run (no kernel for this GPU); passed stays True
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def _archs(kernel: str) -> tuple[str, ...]:
+    from ._common import REGISTRY
+    return REGISTRY[kernel].archs
 
 
 def bf16_row(op, case, shape, got, want, note="") -> Row:
@@ -258,6 +264,9 @@ class Checker:
         self.log = log
         self.rows: list[Row] = []
         self.copy = copy_bandwidth() if do_bench else None
+        # the GPU's kernel target (None for the CPU dry run, whose stand-ins run everything)
+        from ._common import kernel_arch
+        self.arch = kernel_arch(self.dev) if self.dev.type == "cuda" else None
 
     # -- helpers
     def add(self, row: Row, bench_fn: Callable[[], dict] | None = None) -> None:
@@ -289,6 +298,15 @@ class Checker:
 
     # -- ops
     FAMILIES = ("norm", "rope", "nvfp4", "kv_cache", "mhc", "gemm")
+    KERNELS: ClassVar[dict[str, tuple[str, ...]]] = {          # the kernels each family's checks launch
+        "norm": ("rmsnorm",), "rope": ("rope",), "nvfp4": ("nvfp4_amax", "nvfp4_quant", "nvfp4_dequant"),
+        "kv_cache": ("kv_write", "kv_read"), "mhc": ("hc_mix", "hc_pre_apply", "hc_post"),
+        "gemm": ("fp8_act_quant", "fp8_block_gemm", "w4a16_gemm")}
+
+    def not_built(self, family: str) -> list[str]:
+        """The family's kernels that are not built for this GPU (the Hopper-only GEMMs on a Blackwell)."""
+        from ._common import REGISTRY
+        return [k for k in self.KERNELS[family] if self.arch is not None and self.arch not in REGISTRY[k].archs]
 
     def _check_gemms(self):
         from .check_gemm import check_gemms
@@ -301,6 +319,13 @@ class Checker:
                  "kv_cache": self.check_kv, "mhc": self.check_mhc, "gemm": self._check_gemms}
         for fam, fn in steps.items():
             if families and fam not in families:
+                continue
+            missing = self.not_built(fam)
+            if missing:                             # said in the table, not skipped silently, and not a failure
+                archs = sorted({a for k in missing for a in _archs(k)})
+                self.rows.append(Row(fam, f"not built for {self.arch}", "-", "no kernel to check on this GPU", True,
+                                     not_run=f"{', '.join(missing)}: built for {', '.join(archs)} only"))
+                self.log(f"  {fam:14s} not run: {self.rows[-1].not_run}")
                 continue
             try:
                 fn()
@@ -632,7 +657,12 @@ def run_checks(preset: str = "pro", seq: int | None = None, do_bench: bool = Fal
             "copy_bandwidth": chk.copy, "seconds": round(chk.seconds, 1),
             "compile_seconds": {f"{k[0]}[{','.join(f'{a}={b}' for a, b in k[1])}]@{k[2]}": round(v, 3)
                                 for k, v in _COMPILE_SECONDS.items()},
-            "passed": all(r.passed for r in rows), "rows": [r.as_dict() for r in rows]}
+            "passed": all(r.passed for r in rows), "not_run": [r.op for r in rows if r.not_run],
+            "rows": [r.as_dict() for r in rows]}
+
+
+def _result(row: dict[str, Any]) -> str:
+    return "skip" if row.get("not_run") else "pass" if row["passed"] else "FAIL"
 
 
 def format_rows(doc: dict[str, Any]) -> list[str]:
@@ -645,7 +675,7 @@ def format_rows(doc: dict[str, Any]) -> list[str]:
     lines = [head]
     for r in doc["rows"]:
         line = (f"{r['op']:14s} {r['case'][:26]:26s} {r['shape']:20s} {f(r['cos'], '.7f'):>10s} "
-                f"{f(r['max_err']):>9s} {f(r['max_ulp']):>6s} {r['nan']:>4d} {'pass' if r['passed'] else 'FAIL':4s}")
+                f"{f(r['max_err']):>9s} {f(r['max_ulp']):>6s} {r['nan']:>4d} {_result(r):4s}")
         b = r.get("bench") or {}
         if doc["bench"] and b.get("kernel"):
             line += (f" {f(b['kernel']['us'], '.1f'):>10s} {f(b.get('torch_best_us'), '.1f'):>10s} "
@@ -654,7 +684,9 @@ def format_rows(doc: dict[str, Any]) -> list[str]:
         elif doc["bench"] and b.get("error"):
             line += f" bench error: {b['error'][:80]}"
         lines.append(line)
-        if not r["passed"] or r.get("note"):
+        if r.get("not_run"):
+            lines.append(f"{'':14s}   not run: {r['not_run']}")
+        elif not r["passed"] or r.get("note"):
             lines.append(f"{'':14s}   bar: {r['bar']}" + (f"; {r['note']}" if r.get("note") else "")
                          + (f"; mismatches {r['mismatches']}" if r.get("mismatches") else ""))
     if doc.get("copy_bandwidth"):

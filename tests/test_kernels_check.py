@@ -99,3 +99,25 @@ def test_bench_paths_dry_run_on_cpu(torch_kernels, monkeypatch):
         assert r["bench"]["speedup"] > 0 and "compiled" in r["bench"]["baselines"]
     assert len(benched) >= 16
     assert any("% copy" in line or "%copy" in line for line in check.format_rows(doc))
+
+
+def test_families_without_a_kernel_for_the_gpu_say_so(torch_kernels):
+    """On a Blackwell (sm_100a) the Hopper-only GEMMs are not built: their family gets a row saying so (listed
+    under `not_run`, shown as skip) instead of a crash at the first launch or a silent gap; the others run.
+    On the Hopper every family has its kernels."""
+    from dsv4_kernels import load_all
+    load_all()
+    chk = check.Checker("tiny", 70, False, log=lambda s: None, device="cpu")
+    assert all(chk.not_built(f) == [] for f in check.Checker.FAMILIES)          # CPU dry run: all stand-ins
+    chk.arch = "sm_90a"
+    assert all(chk.not_built(f) == [] for f in check.Checker.FAMILIES)
+    chk.arch = "sm_100a"
+    assert chk.not_built("gemm") == ["fp8_block_gemm", "w4a16_gemm"] and chk.not_built("norm") == []
+    rows = chk.run(("norm", "gemm"))
+    gemm = [r for r in rows if r.op == "gemm"]
+    assert len(gemm) == 1 and gemm[0].passed and gemm[0].not_run == "fp8_block_gemm, w4a16_gemm: built for sm_90a only"
+    assert all(r.passed and not r.not_run for r in rows if r.op != "gemm") and len(rows) > 1
+    doc = {"rows": [r.as_dict() for r in rows], "bench": False}
+    lines = check.format_rows(doc)
+    assert any(" skip" in ln and "not built for sm_100a" in ln for ln in lines)
+    assert any("not run: fp8_block_gemm" in ln for ln in lines)

@@ -148,8 +148,8 @@ def print_table(doc: dict) -> None:
         t.add_column(c)
     for r in doc["rows"]:
         cells = [r["op"], r["case"], r["shape"], _fmt(r["cos"], ".7f"), _fmt(r["max_err"]), _fmt(r["max_ulp"]),
-                 str(r["nan"]), r["bar"] + (f" ({r['note']})" if r["note"] else ""),
-                 "[green]pass[/]" if r["passed"] else "[red]FAIL[/]"]
+                 str(r["nan"]), r.get("not_run") or r["bar"] + (f" ({r['note']})" if r["note"] else ""),
+                 "[yellow]not run[/]" if r.get("not_run") else "[green]pass[/]" if r["passed"] else "[red]FAIL[/]"]
         if doc["bench"]:
             b = r.get("bench") or {}
             k = b.get("kernel", {})
