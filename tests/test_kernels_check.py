@@ -107,6 +107,9 @@ def test_families_without_a_kernel_for_the_gpu_say_so(torch_kernels):
     On the Hopper every family has its kernels."""
     from dsv4_kernels import load_all
     load_all()
+    from dsv4_kernels._common import REGISTRY
+    assert set(check.Checker.KERNELS) == set(check.Checker.FAMILIES)
+    assert all(k in REGISTRY for kernels in check.Checker.KERNELS.values() for k in kernels)
     chk = check.Checker("tiny", 70, False, log=lambda s: None, device="cpu")
     assert all(chk.not_built(f) == [] for f in check.Checker.FAMILIES)          # CPU dry run: all stand-ins
     chk.arch = "sm_90a"
