@@ -6,6 +6,7 @@ message, no traceback).
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -20,7 +21,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 err_console = Console(stderr=True, soft_wrap=True)
 
 
-def _register() -> None:
+@functools.cache          # once a process: main() called again (tests, scripts) must not add the commands again
+def _register() -> None:  # (each call did, and typer rebuilt every copy at every call: 30 s a call after 300)
     from .commands import captures, checkpoint, gate, model
     app.add_typer(checkpoint.app, name="checkpoint", help="Synthetic real-format checkpoints; inspect; verify.")
     for module in (model, captures, gate):

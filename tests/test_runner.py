@@ -189,6 +189,21 @@ def test_cli_exit_codes(tiny_dir, tmp_path, capsys):
     assert "Is a directory" in capsys.readouterr().err
 
 
+def test_cli_main_registers_its_commands_once(capsys):
+    """main() called again in one process (tests, scripts) keeps one copy of each command: each call used to add
+    them all again, and typer rebuilt every copy at every call (0.1 s more a call; ~30 s a call late in CI)."""
+    from dsv4debug import cli
+    counts = []
+    for _ in range(3):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["kernels", "compile", "--arch", "sm_80"])
+        assert e.value.code == 2
+        counts.append((len(cli.app.registered_commands), len(cli.app.registered_groups)))
+    assert counts[0] == counts[1] == counts[2]
+    names = [c.name or c.callback.__name__ for c in cli.app.registered_commands]
+    assert len(names) == len(set(names))
+
+
 def test_gpu_out_of_memory_is_one_line_and_exit_2(tiny_dir, monkeypatch, capsys):
     """A model or token count too large for the GPU ends with one line saying so and what helps, not a traceback."""
     from dsv4debug.cli import main
