@@ -305,8 +305,7 @@ class Checker:
 
     def not_built(self, family: str) -> list[str]:
         """The family's kernels that are not built for this GPU (the Hopper-only GEMMs on a Blackwell)."""
-        from ._common import REGISTRY
-        return [k for k in self.KERNELS[family] if self.arch is not None and self.arch not in REGISTRY[k].archs]
+        return [k for k in self.KERNELS[family] if self.arch is not None and self.arch not in _archs(k)]
 
     def _check_gemms(self):
         from .check_gemm import check_gemms
@@ -661,7 +660,8 @@ def run_checks(preset: str = "pro", seq: int | None = None, do_bench: bool = Fal
             "rows": [r.as_dict() for r in rows]}
 
 
-def _result(row: dict[str, Any]) -> str:
+def result_label(row: dict[str, Any]) -> str:
+    """A row's result as the tables print it: skip (no kernel for this GPU), pass or FAIL."""
     return "skip" if row.get("not_run") else "pass" if row["passed"] else "FAIL"
 
 
@@ -675,7 +675,7 @@ def format_rows(doc: dict[str, Any]) -> list[str]:
     lines = [head]
     for r in doc["rows"]:
         line = (f"{r['op']:14s} {r['case'][:26]:26s} {r['shape']:20s} {f(r['cos'], '.7f'):>10s} "
-                f"{f(r['max_err']):>9s} {f(r['max_ulp']):>6s} {r['nan']:>4d} {_result(r):4s}")
+                f"{f(r['max_err']):>9s} {f(r['max_ulp']):>6s} {r['nan']:>4d} {result_label(r):4s}")
         b = r.get("bench") or {}
         if doc["bench"] and b.get("kernel"):
             line += (f" {f(b['kernel']['us'], '.1f'):>10s} {f(b.get('torch_best_us'), '.1f'):>10s} "

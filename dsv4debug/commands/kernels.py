@@ -137,7 +137,11 @@ def check_cmd(shapes: Annotated[str, typer.Option(help="pro | flash | tiny (mode
     raise typer.Exit(0 if doc["passed"] else 1)
 
 
+_RESULT_COLOURS = {"skip": "yellow", "pass": "green", "FAIL": "red"}
+
+
 def print_table(doc: dict) -> None:
+    from dsv4_kernels.check import result_label
     env = doc["env"]
     t = Table(title=f"kernels check: {doc['preset']} shapes, {doc['seq']} tokens, {env.get('gpu', '?')}, "
                     f"torch {env['torch']}, CuTeDSL {env['cutedsl']}")
@@ -147,9 +151,10 @@ def print_table(doc: dict) -> None:
     for c in cols:
         t.add_column(c)
     for r in doc["rows"]:
+        result = result_label(r)
         cells = [r["op"], r["case"], r["shape"], _fmt(r["cos"], ".7f"), _fmt(r["max_err"]), _fmt(r["max_ulp"]),
                  str(r["nan"]), r.get("not_run") or r["bar"] + (f" ({r['note']})" if r["note"] else ""),
-                 "[yellow]not run[/]" if r.get("not_run") else "[green]pass[/]" if r["passed"] else "[red]FAIL[/]"]
+                 f"[{_RESULT_COLOURS[result]}]{result}[/]"]
         if doc["bench"]:
             b = r.get("bench") or {}
             k = b.get("kernel", {})
