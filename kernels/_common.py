@@ -135,6 +135,19 @@ def _arch_of(index: int) -> str | None:      # launchers ask on every call: the 
     return {(9, 0): "sm_90a", (10, 0): "sm_100a"}.get(torch.cuda.get_device_capability(index))
 
 
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (launchers size grids by it on every call)."""
+    import torch
+    index = device if isinstance(device, int) else torch.device(device).index
+    return _sm_count(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    import torch
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def runnable_archs() -> set[str]:
     """The targets every registered kernel is declared for: where a pipeline of all of them can run."""
     return set(ARCHS).intersection(*(kd.archs for kd in REGISTRY.values()))

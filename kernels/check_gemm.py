@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ._common import sm_count
 from .check import Row, compare, n_sets, time_fn
 
 # (name, out, in) of the FP8 linears of one layer and the NVFP4 expert projections
@@ -94,19 +95,23 @@ def check_fp8(preset: str, ms=(16, 4096), gen=None, do_bench=False, log=print) -
         for m in ms:
             x = _randn((m, k), gen)
             x[0, :128] *= 100.0                       # an outlier block
-            got = K.fp8_linear(x, q, sb)
             want = (x.double() @ wd.double().T)
             simv = F.linear(sim_quant(x), wb)
-            e_k, e_s = rel_l2(got, want), rel_l2(simv, want)
-            c_sim = compare(got.float(), simv.float())["cos"]
-            m_ref = compare(got.float(), want.float())
-            ok = m_ref["nan"] == 0 and e_k <= 1.1 * e_s + 1e-6 and c_sim >= 0.9999
+            e_s = rel_l2(simv, want)
+            # every tile width, each within the bar: pick_tile_n chooses by shape
+            got = {t: K.fp8_linear(x, q, sb, tile_n=t) for t in K.TILE_NS}
+            e_k = {t: rel_l2(y, want) for t, y in got.items()}
+            c_sim = {t: compare(y.float(), simv.float())["cos"] for t, y in got.items()}
+            worst = max(K.TILE_NS, key=lambda t: e_k[t])
+            m_ref = compare(got[worst].float(), want.float())
+            ok = (m_ref["nan"] == 0 and max(e_k.values()) <= 1.1 * e_s + 1e-6 and min(c_sim.values()) >= 0.9999
+                  and all(int(y.isnan().sum()) == 0 for y in got.values()))
+            tiles = ", ".join(f"n{t} {e_k[t]:.3e} cos(sim) {c_sim[t]:.7f}" for t in K.TILE_NS)
             rows.append(Row("linear", f"fp8 {name} M={m}", f"[{m}, {k}] x [{n}, {k}]",
                             "rel_l2(fp64 ref) <= 1.1 x sim's, cos(sim) >= 0.9999", ok, m_ref["cos"],
                             m_ref["max_err"], None, m_ref["nan"],
-                            note=f"rel_l2 kernel {e_k:.3e} / sim {e_s:.3e}; cos vs sim {c_sim:.7f}"))
-            log(f"  fp8 {preset} {name} M={m}: {'PASS' if ok else 'FAIL'} rel {e_k:.3e} sim {e_s:.3e} "
-                f"cos(sim) {c_sim:.7f}")
+                            note=f"rel_l2 sim {e_s:.3e}; tiles {tiles}"))
+            log(f"  fp8 {preset} {name} M={m}: {'PASS' if ok else 'FAIL'} sim {e_s:.3e} {tiles}")
             del x, got, want, simv
         # the activation quantiser against sim, bit for bit
         x = _randn((512, k), gen)
@@ -279,16 +284,25 @@ def _bench_fp8_shape(preset, name, n, k, ms, gen, log) -> list[dict]:
         x = _randn((m, k), gen)
         xq, sa = K.fp8_act_quant(x)
         y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        t_full = _t(lambda i, x=x: K.fp8_linear(x, qs[i], sb), ns_k)
-        t_gemm = _t(lambda i, xq=xq, sa=sa, y=y: K.fp8_gemm(xq, sa, qs[i], sb, y), ns_k)
         t_cub = _t(lambda i, x=x: torch.mm(x, wbs[i].T), ns_b)
+        # every tile width, timed side by side; the row's time is the one pick_tile_n chooses
+        by_tile = {t: (_t(lambda i, x=x, t=t: K.fp8_linear(x, qs[i], sb, tile_n=t), ns_k),
+                       _t(lambda i, xq=xq, sa=sa, y=y, t=t: K.fp8_gemm(xq, sa, qs[i], sb, y, tile_n=t), ns_k))
+                   for t in K.TILE_NS}
+        picked = K.pick_tile_n(m, n, sm_count(x.device))
+        t_full, t_gemm = by_tile[picked]
         flops = 2 * m * n * k
+        # speedup_shared_quant: the GEMM alone, as a linear whose x another linear quantised (wq_a and wkv)
         r = {"kind": "fp8_linear", "preset": preset, "name": name, "m": m, "n": n, "k": k, "us": t_full,
              "gemm_us": t_gemm, "cublas_bf16_us": t_cub, "speedup": t_cub / t_full,
+             "speedup_shared_quant": t_cub / t_gemm, "tile_n": picked,
+             "by_tile_n": {str(t): {"us": a, "gemm_us": b} for t, (a, b) in by_tile.items()},
              "tflops": flops / t_full / 1e6, "cublas_tflops": flops / t_cub / 1e6}
         out.append(r)
-        log(f"  fp8 {preset} {name:10s} M={m:5d}: {t_full:9.1f} us (gemm {t_gemm:9.1f}) cuBLAS bf16 "
-            f"{t_cub:9.1f} us  x{r['speedup']:.2f}  {r['tflops']:.0f} TFLOP/s")
+        tiles = " ".join(f"n{t} {a:.1f}/{b:.1f}" for t, (a, b) in by_tile.items())
+        log(f"  fp8 {preset} {name:10s} M={m:5d}: {t_full:9.1f} us (gemm {t_gemm:9.1f}, n{picked}) cuBLAS bf16 "
+            f"{t_cub:9.1f} us  x{r['speedup']:.2f} (shared quant x{r['speedup_shared_quant']:.2f})  "
+            f"{r['tflops']:.0f} TFLOP/s  [{tiles}]")
     return out
 
 

@@ -24,6 +24,8 @@ from ._tma_gemm import TmaOperandsAB
 
 SM90 = ("sm_90a",)
 SMEM_BYTES = 227 * 1024
+TILE_NS = (128, 64)         # 64-wide tiles double the CTAs of narrow N (wkv's N = 512: 64 CTAs at M = 2048)
+TILE64_RATE = 0.85          # a 64-wide tile's speed over a 128-wide one's on a busy SM (estimate, pick_tile_n)
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
@@ -121,8 +123,8 @@ class Fp8BlockGemm(TmaOperandsAB):
     threads = 384
 
     def __init__(self, tile_n: int = 128):
-        if tile_n != 128:
-            raise ValueError("tile N must equal the weight block (128)")
+        if tile_n not in TILE_NS:
+            raise ValueError(f"tile N must be one of {TILE_NS} (a tile lies in one 128-wide weight block)")
         self.tile_m, self.tile_n, self.tile_k = 128, tile_n, 128
         stage_bytes = (self.tile_m + self.tile_n) * self.tile_k
         self.stages = min(8, (SMEM_BYTES - 2048) // stage_bytes)
@@ -275,7 +277,7 @@ class Fp8BlockGemm(TmaOperandsAB):
     @cute.jit
     def scales(self, mSA: cute.Tensor, mSB: cute.Tensor, bx: Int32, kt: Int32, row_lo: Int32, row_hi: Int32):
         """The promotion factors of k-tile kt for this thread's rows: sa[row, kt] * sb[n-block, kt]."""
-        sb = mSB[bx, kt]
+        sb = mSB[bx // (128 // self.tile_n), kt]
         return mSA[kt, row_lo] * sb, mSA[kt, row_hi] * sb
 
     @cute.jit
@@ -288,13 +290,13 @@ class Fp8BlockGemm(TmaOperandsAB):
             acc[i4 * 4 + 3] = acc[i4 * 4 + 3] + tmp[i4 * 4 + 3] * s_hi
 
 
-def _build_gemm():
-    return Fp8BlockGemm(), (fake_ptr(Float8E4M3FN), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4),
+def _build_gemm(tile_n: int = 128):
+    return Fp8BlockGemm(tile_n), (fake_ptr(Float8E4M3FN), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4),
                             fake_ptr(Float32, 4), fake_ptr(Uint32), Int32(256), Int32(1536), Int32(7168),
                             fake_stream())
 
 
-register(KernelDef("fp8_block_gemm", "linear", SM90, _build_gemm, configs=({},),
+register(KernelDef("fp8_block_gemm", "linear", SM90, _build_gemm, configs=tuple({"tile_n": t} for t in TILE_NS),
                    doc="e4m3 x e4m3 WGMMA with 1x128 activation / 128x128 weight block scales, bf16 out"))
 
 
@@ -326,11 +328,22 @@ def weight_scales(scale):
     return scale.view(torch.float8_e8m0fnu).float().contiguous()
 
 
-def fp8_gemm(xq, sa, w, sb, out=None):
-    """xq e4m3 [M, K], sa fp32 [K/128, M], w e4m3 [N, K], sb fp32 [N/128, K/128] -> bf16 [M, N]."""
+def pick_tile_n(m: int, n: int, sms: int) -> int:
+    """The tile width with the shorter estimated time in whole waves of CTAs: 64-wide tiles do half the work of
+    128-wide ones at TILE64_RATE of their speed, and win where 128-wide tiles leave SMs idle (wkv's N = 512;
+    Pro wq_a at M = 2048, 1.45 waves)."""
+    rows = -(-m // 128)
+    waves128 = -(-rows * (n // 128) // sms)
+    waves64 = -(-rows * (n // 64) // sms)
+    return 64 if 0.5 * waves64 / TILE64_RATE < waves128 else 128
+
+
+def fp8_gemm(xq, sa, w, sb, out=None, tile_n: int | None = None):
+    """xq e4m3 [M, K], sa fp32 [K/128, M], w e4m3 [N, K], sb fp32 [N/128, K/128] -> bf16 [M, N]; tile_n: 64 or
+    128 (default: pick_tile_n)."""
     import torch
 
-    from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr
+    from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr, sm_count
     m, k = xq.shape
     n = w.shape[0]
     if w.shape[1] != k or n % 128 or k % 128:
@@ -343,17 +356,17 @@ def fp8_gemm(xq, sa, w, sb, out=None):
     elif out.dtype != torch.bfloat16 or out.shape != (m, n) or not out.is_contiguous():
         raise ValueError(f"fp8 GEMM writes a contiguous bf16 [{m}, {n}], not {out.dtype} {tuple(out.shape)}")
     if m:
-        fn = compile_kernel("fp8_block_gemm", device_arch(xq.device))
+        tile_n = tile_n or pick_tile_n(m, n, sm_count(xq.device))
+        fn = compile_kernel("fp8_block_gemm", device_arch(xq.device), tile_n=tile_n)
         fn(ptr(xq), ptr(w), ptr(sa, align=4), ptr(sb, align=4), ptr(out, Uint32), Int32(m), Int32(n), Int32(k),
            current_stream())
     return out
 
 
-def fp8_linear(x, w, sb, out=None):
+def fp8_linear(x, w, sb, out=None, tile_n: int | None = None):
     """x bf16 [..., K] @ (w e4m3 [N, K] with fp32 block scales sb [N/128, K/128])^T -> bf16 [..., N]:
     activations quantised per 1 x 128 (the official act_quant), fp32 accumulation with per-block promotion."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).contiguous()
-    xq, sa = fp8_act_quant(x2)
-    y = fp8_gemm(xq, sa, w.contiguous(), sb, out)
+    xq, sa = fp8_act_quant(x.reshape(-1, shape[-1]).contiguous())
+    y = fp8_gemm(xq, sa, w.contiguous(), sb, out, tile_n)
     return y.view(*shape[:-1], w.shape[0])

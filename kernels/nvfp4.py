@@ -38,6 +38,7 @@ from ._common import (
     group_max_int,
     ptr,
     register,
+    sm_count,
 )
 
 BLOCK = 16
@@ -235,7 +236,7 @@ def amax(x):
     nvec = x.numel() // 8
     if nvec:
         threads, unroll = Amax.threads, Amax.unroll
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        sms = sm_count(x.device)
         grid = max(1, min(sms * 8, -(-nvec // (threads * unroll))))
         iters = -(-nvec // (grid * threads * unroll))
         fn = compile_kernel("nvfp4_amax", device_arch(x.device))

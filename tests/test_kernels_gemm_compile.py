@@ -22,7 +22,7 @@ from dsv4debug.formats import (
     nvfp4_quantize,
 )
 
-CI = [("fp8_act_quant", {}), ("fp8_block_gemm", {})] + [("w4a16_gemm", c) for c in REGISTRY["w4a16_gemm"].ci()]
+CI = [("fp8_act_quant", {})] + [("fp8_block_gemm", c) for c in REGISTRY["fp8_block_gemm"].configs] + [("w4a16_gemm", c) for c in REGISTRY["w4a16_gemm"].ci()]
 
 
 @pytest.mark.parametrize("name,cfg", CI, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in c.items())}" for n, c in CI])
@@ -59,11 +59,15 @@ def test_ptx_has_register_sourced_bf16_wgmma_and_no_fp4_conversion():
     assert "e2m1" not in ptx and "mul.rn.bf16x2" in ptx and "cp.async.bulk.shared" in ptx
 
 
-def test_ptx_fp8_gemm_and_quant():
-    gemm = _ptx(gemm_fp8._build_gemm)
-    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in gemm
-    # the epilogue: 32 bf16 pairs a thread (cvt.rn.bf16x2), swapped within quads, stored as 8 x 16 bytes
-    assert gemm.count("cvt.rn.bf16x2.f32") == 32 and gemm.count("st.global") == gemm.count("st.global.v4.b32") == 8
+@pytest.mark.parametrize("tile_n", gemm_fp8.TILE_NS)
+def test_ptx_fp8_gemm_and_quant(tile_n):
+    gemm = _ptx(gemm_fp8._build_gemm, tile_n=tile_n)
+    assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k32.f32.e4m3.e4m3" in gemm
+    # the epilogue: tile_n / 4 bf16 pairs a thread (cvt.rn.bf16x2), swapped within quads, stored as 16-byte
+    # vectors (8 a thread for 128-wide tiles)
+    pairs = tile_n // 4
+    assert gemm.count("cvt.rn.bf16x2.f32") == pairs
+    assert gemm.count("st.global") == gemm.count("st.global.v4.b32") == pairs // 4
     quant = _ptx(gemm_fp8._build_quant)
     # 4 conversions of two values a vector, VECS vectors a thread
     assert quant.count("cvt.rn.satfinite.e4m3x2.f32") == 4 * gemm_fp8.Fp8ActQuant.vecs and "div.rn.f32" in quant
@@ -85,7 +89,15 @@ def test_invalid_configs_are_refused():
     with pytest.raises(ValueError):
         gemm_w4a16.W4A16Gemm(n_tok=16, grouped=True, split_k=True)
     with pytest.raises(ValueError):
-        gemm_fp8.Fp8BlockGemm(tile_n=64)
+        gemm_fp8.Fp8BlockGemm(tile_n=256)
+
+
+def test_fp8_tile_width_fills_the_sms():
+    """64-wide tiles where 128-wide ones leave SMs idle (H200: 132 SMs), 128-wide where waves are full."""
+    assert gemm_fp8.pick_tile_n(2048, 512, 132) == 64            # Pro wkv: 64 CTAs of 128 x 128
+    assert gemm_fp8.pick_tile_n(2048, 1536, 132) == 64           # Pro wq_a: 1.45 waves
+    assert gemm_fp8.pick_tile_n(4096, 1536, 132) == 128          # 2.9 waves
+    assert gemm_fp8.pick_tile_n(2048, 7168, 132) == 128          # wo_b: 6.8 waves
 
 
 # ---- the NVFP4 repack is exact ------------------------------------------------------------------------

@@ -315,6 +315,29 @@ def test_kernels_candidate_on_a_gpu_it_is_not_built_for_is_bad_input(monkeypatch
         assert stats.supports(site) is taken
 
 
+def test_kernels_backend_quantises_a_shared_activation_once():
+    """wq_a and wkv read one normed x with wq_b's linear between them: the kernels backend quantises x once for
+    both (as serving does), and again once x changes in place."""
+    from types import SimpleNamespace
+
+    from dsv4debug.backends.kernels import KernelsBackend
+    quantised = []
+
+    def fp8_act_quant(x):
+        quantised.append(x.clone())
+        return x.sum()
+
+    backend = SimpleNamespace(_quantized=[], QUANTIZED_KEPT=KernelsBackend.QUANTIZED_KEPT,
+                              _gemm={"fp8": SimpleNamespace(fp8_act_quant=fp8_act_quant)})
+    x, qr = torch.ones(4, 256), torch.zeros(4, 128)
+    for a in (x, qr, x):                                  # wq_a, wq_b, wkv
+        KernelsBackend._act_quant(backend, a)
+    assert len(quantised) == 2
+    x.mul_(2)
+    assert KernelsBackend._act_quant(backend, x) == 2048 and len(quantised) == 3
+    assert KernelsBackend._act_quant(backend, x.view(4, 256)) == 2048 and len(quantised) == 4   # another view
+
+
 # the planted faults of issue #9, each named by run (layer and op) and by bisect (layer and op family)
 ISSUE9_FAULTS = [
     ("nan@layers.4.ffn.experts.1", "layers.4.ffn.experts.1", "experts"),            # NaN in one expert
