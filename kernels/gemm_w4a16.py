@@ -38,7 +38,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr, 
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.experimental import primitives as prims
 
-from ._common import KernelDef, fake_ptr, fake_stream, register
+from ._common import KernelDef, fake_ptr, fake_stream, register, sm_count
 from ._tma_gemm import tma_pipeline
 
 SM90 = ("sm_90a",)
@@ -447,14 +447,16 @@ def _buffers(key, make):
     return buf
 
 
-def pick_dense_config(m: int, n: int, k: int) -> dict:
-    """Kernel configuration for a dense W4A16 GEMM of m tokens (decode: split-K; prefill: wide token tiles)."""
+def pick_dense_config(m: int, n: int, k: int, sms: int = 132) -> dict:
+    """Kernel configuration for a dense W4A16 GEMM of m tokens (decode: split-K; prefill: wide token tiles).
+    Decode splits K into the most parts that keep one wave of CTAs (one fits an SM) and >= 4 chunks each: the
+    best split on the H200 for all four expert shapes (benchmarks/results/gemm.json, bench_w4_split_sum)."""
     if m <= 16:
         kc = k // 64
         tiles = n // 128
         split = 1
-        for s in (16, 8, 4, 2):                         # aim at >= ~2 CTAs per SM, whole chunks per split
-            if kc % s == 0 and tiles * s <= 3 * 132 and kc // s >= 4:
+        for s in (16, 8, 4, 2):
+            if kc % s == 0 and tiles * s <= sms and kc // s >= 4:
                 split = s
                 break
         return {"n_tok": 16, "split_k": split > 1, "split": split}
@@ -512,6 +514,6 @@ def w4a16_linear(x, pack, n: int, config: dict | None = None, out=None):
     """x [..., K] bf16 @ W^T for one packed NVFP4 weight W [n, K] -> [..., n] bf16 (dense)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
-    cfg = dict(config or pick_dense_config(x2.shape[0], n, shape[-1]))
+    cfg = dict(config or pick_dense_config(x2.shape[0], n, shape[-1], sm_count(x.device)))
     y = w4a16_launch(x2, pack, n, out=out, **cfg)
     return y.view(*shape[:-1], n)
