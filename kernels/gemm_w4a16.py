@@ -449,8 +449,9 @@ def _buffers(key, make):
 
 def pick_dense_config(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Kernel configuration for a dense W4A16 GEMM of m tokens (decode: split-K; prefill: wide token tiles).
-    Decode splits K into the most parts that keep one wave of CTAs (one fits an SM) and >= 4 chunks each: the
-    best split on the H200 for all four expert shapes (benchmarks/results/gemm.json, bench_w4_split_sum)."""
+    Decode splits K into the most parts that keep one wave of CTAs (one fits an SM) and >= 4 chunks each, in
+    128-wide K stages where they divide a split: the fastest on the H200 for all four expert shapes
+    (benchmarks/results/gemm.json, bench_w4_tile_k)."""
     if m <= 16:
         kc = k // 64
         tiles = n // 128
@@ -459,7 +460,8 @@ def pick_dense_config(m: int, n: int, k: int, sms: int = 132) -> dict:
             if kc % s == 0 and tiles * s <= sms and kc // s >= 4:
                 split = s
                 break
-        return {"n_tok": 16, "split_k": split > 1, "split": split}
+        wide = {"tile_k": 128} if kc % (2 * split) == 0 else {}
+        return {"n_tok": 16, "split_k": split > 1, "split": split} | wide
     if m <= 64:
         return {"n_tok": 64, "split": 1}
     return {"n_tok": 128, "t_max": 2, "split": 1}

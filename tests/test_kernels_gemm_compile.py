@@ -218,12 +218,12 @@ def test_dense_configs_are_legal(m, n, k):
     gemm_w4a16.W4A16Gemm(**{kk: v for kk, v in cfg.items() if kk != "split"})   # a valid kernel config
 
 
-def test_decode_split_is_the_h200_best():
-    """Decode splits K into the most parts that keep one wave on 132 SMs: what the H200 measured fastest for
-    the four expert shapes (split 4, 2, 8, 4 of 1, 2, 4, 8, 16)."""
-    splits = [gemm_w4a16.pick_dense_config(16, n, k)["split"]
-              for n, k in ((3072, 7168), (7168, 3072), (2048, 4096), (4096, 2048))]
-    assert splits == [4, 2, 8, 4]
+def test_decode_config_is_the_h200_best():
+    """Decode splits K into the most parts that keep one wave on 132 SMs, in 128-wide K stages: what the H200
+    measured fastest for the four expert shapes (of splits 1-16 and K stages 64 or 128 wide)."""
+    picks = [gemm_w4a16.pick_dense_config(16, n, k)
+             for n, k in ((3072, 7168), (7168, 3072), (2048, 4096), (4096, 2048))]
+    assert [c["split"] for c in picks] == [4, 2, 8, 4] and all(c["tile_k"] == 128 for c in picks)
 
 
 def test_pack_expert_from_checkpoint_weights():
