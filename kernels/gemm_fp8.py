@@ -6,8 +6,9 @@ y[m, n] = sum_kb sa[kb, m] * sb[n / 128, kb] * sum_{k in block kb} xq[m, k] * wq
   (amax clamped below at 1e-4), xq = e4m3(x / s) with saturation, exactly what the `sim` backend's
   fp8_act_quant (dsv4_references.fp8_sim with block 128) computes, scales stored fp32 [K/128, M].
 - Weights: the checkpoint's e4m3 [N, K] as they are; the e8m0 block scales as fp32 [N/128, K/128].
-- GEMM: TMA tiles 128 x 128 x 128 (one K block per pipeline stage), producer warpgroup + two consumer
-  warpgroups (64 rows each), 4 WGMMA m64n128k32 per stage into a fresh fp32 accumulator which is then
+- GEMM: TMA tiles 128 x 128 x 128, or 128 x 64 x 128 where 128-wide tiles would leave most SMs idle
+  (pick_tile_n; one K block per pipeline stage), producer warpgroup + two consumer
+  warpgroups (64 rows each), 4 WGMMA m64nNk32 per stage into a fresh fp32 accumulator which is then
   promoted into the main fp32 accumulator times sa * sb (DeepGEMM's per-block promotion: Hopper's FP8 WGMMA
   accumulates with reduced precision, so no product sum runs longer than one 128-wide block).
   Scales are powers of two, so the promotion multiply is exact. A k-tile's scales are loaded as its WGMMAs
