@@ -275,7 +275,7 @@ class W4A16Gemm:
                 kt = Int32(0)
                 while kt < k_tiles:
                     # even tile: frag0 feeds the WGMMAs while the next tile decodes into frag1
-                    self.mma_stage(tiled_mma, accs, fragA0, tCrBs, release.index, n_sub)
+                    self.mma_stage(tiled_mma, accs, fragA0, tCrBs, release.index)
                     if kt + 1 < k_tiles:
                         pipe.consumer_wait(read)
                         self.decode_stage(sW, sS, read.index, fragA1, lane, wq, g, h)
@@ -285,7 +285,7 @@ class W4A16Gemm:
                     release.advance()
                     kt += 1
                     if kt < k_tiles:
-                        self.mma_stage(tiled_mma, accs, fragA1, tCrBs, release.index, n_sub)
+                        self.mma_stage(tiled_mma, accs, fragA1, tCrBs, release.index)
                         if kt + 1 < k_tiles:
                             pipe.consumer_wait(read)
                             self.decode_stage(sW, sS, read.index, fragA0, lane, wq, g, h)
@@ -328,14 +328,14 @@ class W4A16Gemm:
                 fw[3, 0, kb] = a67
 
     @cute.jit
-    def mma_stage(self, tiled_mma: cute.TiledMma, accs: list, frag: cute.Tensor, tCrBs: list,
-                  stage: Int32, n_sub: Int32):
+    def mma_stage(self, tiled_mma: cute.TiledMma, accs: list, frag: cute.Tensor, tCrBs: list, stage: Int32):
+        # every token sub-tile's WGMMAs, also those of sub-tiles without tokens (their columns are dropped in the
+        # epilogue): WGMMAs under a branch made ptxas wait for them at the commit (C7519), which serialised the
+        # next stage's decode behind them
         warpgroup.fence()
         for t in cutlass.range_constexpr(self.t_max):
-            if t < n_sub:
-                for kb in cutlass.range_constexpr(self.kb):
-                    cute.gemm(tiled_mma, accs[t], frag[(None, None, kb)], tCrBs[t][(None, None, kb, stage)],
-                              accs[t])
+            for kb in cutlass.range_constexpr(self.kb):
+                cute.gemm(tiled_mma, accs[t], frag[(None, None, kb)], tCrBs[t][(None, None, kb, stage)], accs[t])
         warpgroup.commit_group()
 
     @cute.jit
