@@ -65,7 +65,7 @@ def fill_device_rows(items: Sequence[tuple[torch.Tensor, int, str]], out: torch.
     kernel's tensors in one site_stats launch per dtype, the others by device_stats. Nothing waits."""
     batch = [(t, first) for t, first, by in items if by == KERNEL]
     if batch:
-        _site_stats_module().site_stats([t for t, _ in batch], [first for _, first in batch], out)
+        _site_stats_module().site_stats([t for t, _ in batch], [first for _, first in batch], out, supported=True)
     for t, first, by in items:
         if by == TORCH_OPS and t.numel():
             rows = device_stats(t)

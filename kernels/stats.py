@@ -164,15 +164,16 @@ def n_rows(t) -> int:
     return -(-t.numel() // block_of(t))
 
 
-def site_stats(tensors, first_rows, out) -> None:
+def site_stats(tensors, first_rows, out, supported: bool = False) -> None:
     """PARTIALS rows of every tensor (each one site_stats `supports`), n_rows(t) of them from out[first_rows[i]]
     (out: contiguous float64 [rows, 7] on their device): one launch per dtype among them, whatever their number.
-    The launch is queued on the current stream; tensors may be freed once this returns."""
+    The launch is queued on the current stream; tensors may be freed once this returns. `supported`: the
+    caller has asked `supports` of every tensor already (a capture, at each record()), so it is not asked again."""
     if out.dtype != torch.float64 or not out.is_contiguous() or out.dim() != 2 or out.shape[1] != N_PARTIALS:
         raise ValueError(f"site_stats writes a contiguous float64 [rows, {N_PARTIALS}], not {out.dtype} "
                          f"{tuple(out.shape)}")
     for t, first in zip(tensors, first_rows, strict=True):
-        if not supports(t) or t.device != out.device:
+        if not (supported or supports(t)) or t.device != out.device:
             raise ValueError(f"site_stats takes contiguous, aligned bf16/fp32/fp64 CUDA tensors of whole 16-byte "
                              f"vectors on the output's device, not {t.dtype} {tuple(t.shape)} on {t.device}")
         check_numel(t)
