@@ -221,7 +221,7 @@ def test_route_plan_units_cover_every_row_once():
 @pytest.mark.parametrize("m", [1, 7, 16, 40, 300, 4096])
 @pytest.mark.parametrize("n,k", [(3072, 7168), (7168, 3072), (2048, 4096), (4096, 2048), (6144, 7168)])
 def test_dense_configs_are_legal(m, n, k):
-    cfg = gemm_w4a16.pick_dense_config(m, n, k)
+    cfg = gemm_w4a16.pick_dense_config(m, n, k, 132)
     split, tile_k = cfg.get("split", 1), cfg.get("tile_k", 64)
     assert (k // 64) % (split * (tile_k // 64)) == 0
     assert cfg.get("split_k", False) == (split > 1)
@@ -231,7 +231,7 @@ def test_dense_configs_are_legal(m, n, k):
 def test_decode_config_is_the_h200_best():
     """Decode splits K into the most parts that keep one wave on 132 SMs, in 128-wide K stages: what the H200
     measured fastest for the four expert shapes (of splits 1-16 and K stages 64 or 128 wide)."""
-    picks = [gemm_w4a16.pick_dense_config(16, n, k)
+    picks = [gemm_w4a16.pick_dense_config(16, n, k, 132)
              for n, k in ((3072, 7168), (7168, 3072), (2048, 4096), (4096, 2048))]
     assert [c["split"] for c in picks] == [4, 2, 8, 4] and all(c["tile_k"] == 128 for c in picks)
 
