@@ -117,9 +117,14 @@ def device_arch(device) -> str:
 
 def kernel_arch(device) -> str | None:
     """device_arch, or None for a GPU none of ARCHS runs on (callers with a torch path take it there)."""
+    return _arch_of(_device_index(device))
+
+
+def _device_index(device) -> int:
+    """The CUDA device index of an int, a name ('cuda', 'cuda:1') or a torch.device (None: the current one)."""
     import torch
     index = device if isinstance(device, int) else torch.device(device).index
-    return _arch_of(torch.cuda.current_device() if index is None else index)
+    return torch.cuda.current_device() if index is None else index
 
 
 def gpu_name(device) -> str:
@@ -137,9 +142,7 @@ def _arch_of(index: int) -> str | None:      # launchers ask on every call: the 
 
 def sm_count(device) -> int:
     """Streaming multiprocessors of a CUDA device (launchers size grids by it on every call)."""
-    import torch
-    index = device if isinstance(device, int) else torch.device(device).index
-    return _sm_count(torch.cuda.current_device() if index is None else index)
+    return _sm_count(_device_index(device))
 
 
 @functools.cache
