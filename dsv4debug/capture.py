@@ -40,8 +40,10 @@ from .h5chunks import (
     chunk_shape,
     content_hash,
     encode_chunks,
+    encode_rows,
     from_storage,
     read_rows,
+    row_chunk,
     source_array,
     storage_array,
 )
@@ -67,6 +69,7 @@ FORMAT_VERSION = 1
 TMP_SUFFIX = ".tmp"
 COMPRESSIONS = ("fast", "small")
 TASK_BYTES = 4 << 20            # stored bytes encoded per worker task: few tasks, few GIL hand-offs
+ENCODE_BYTES = 64 << 20         # a GPU site's tensor bytes encoded per encode_rows call: bounds its temporaries
 _STR = h5py.string_dtype()
 
 # (name, type, meaning): the documented attributes, printed by --doc into captures/README.md.
@@ -271,6 +274,7 @@ class _SiteJob:
     device_rows: tuple | None = None            # GPU: (pinned rows, first, count, the copy's event) once flushed
     values: list[float] | None = None           # STAT_VALUES, once combined (GPU: a whole batch at a time)
     ready: Any = None                            # GPU: torch.cuda.Event after the pinned copy of `data`
+    encoded: torch.Tensor | None = None          # GPU: pinned chunk streams made by the GPU (_device_encoded)
     host_parts: list[Future] = field(default_factory=list)   # CPU: block_stats futures
 
     def stat_values(self) -> list[float]:
@@ -555,7 +559,8 @@ class CaptureWriter:
         if tensor.is_cuda:
             self._slab.add(job, source, self.stats_kernel)
             if store:
-                job.data = _pinned_copy(_rows_of(source, token_slice))
+                rows = _rows_of(source, token_slice)
+                job.data, job.encoded = _pinned_copy(rows), _device_encoded(rows, self.compression)
                 job.ready = torch.cuda.Event()
                 job.ready.record()
         else:   # copy now: the caller may reuse its buffer once record() returns
@@ -564,7 +569,7 @@ class CaptureWriter:
             job.data = _rows_of(host, token_slice) if store else None
             job.nbytes = host.numel() * host.element_size()
         if job.data is not None and tensor.is_cuda:
-            job.nbytes = job.data.numel() * job.data.element_size()
+            job.nbytes = job.data.nbytes + (job.encoded.nbytes if job.encoded is not None else 0)
         return job
 
     def _submit(self, action: Callable[[], None]) -> None:
@@ -619,6 +624,9 @@ class CaptureWriter:
             return _Encoded(job, dtype, small=storage_array(job.data), hash=digest)
         chunk = chunk_shape(arr.shape, dtype.itemsize)
         origins = list(itertools.product(*[range(0, s, c) for s, c in zip(arr.shape, chunk)]))
+        if job.encoded is not None:             # the GPU made the streams: one row per chunk, in origin order
+            return _Encoded(job, dtype, chunk=chunk, chunks=[(origins, _resolved(list(job.encoded.numpy())))],
+                            hash=digest)
         per_task = max(1, TASK_BYTES // (int(np.prod(chunk)) * dtype.itemsize))
         batches = [origins[i:i + per_task] for i in range(0, len(origins), per_task)]
         tasks = [(batch, self._pool.submit(encode_chunks, arr, batch, chunk, self.compression, widen))
@@ -789,6 +797,30 @@ def _host_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     landed = torch.cuda.Event()
     landed.record()
     return host, landed
+
+
+def _device_encoded(rows: torch.Tensor, compression: str) -> torch.Tensor | None:
+    """A GPU site's chunk streams, [chunks, bytes] in pinned memory (copies in flight), encoded on the GPU by
+    encode_rows a slice of whole chunks at a time; None where encode_rows does not apply: the writer's pool
+    encodes those from the host copy."""
+    chunk_rows = row_chunk(rows.dtype, rows.shape, compression)
+    if chunk_rows is None:
+        return None
+    step = chunk_rows * max(1, ENCODE_BYTES // (chunk_rows * rows[0].nbytes))
+    parts = (encode_rows(rows[i:i + step], chunk_rows) for i in range(0, rows.shape[0], step))
+    first = next(parts)
+    host = torch.empty(-(-rows.shape[0] // chunk_rows), first.shape[1], dtype=torch.uint8, pin_memory=True)
+    done = 0
+    for part in itertools.chain([first], parts):
+        host[done:done + part.shape[0]].copy_(part, non_blocking=True)
+        done += part.shape[0]
+    return host
+
+
+def _resolved(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,80 @@ def encode_chunks(arr: np.ndarray, origins: Sequence[tuple[int, ...]], chunk: tu
     return out
 
 
+ROW_ENCODED = (torch.bfloat16, torch.float32, torch.float64)     # dtypes encode_rows takes
+
+
+def row_chunk(dtype: torch.dtype, shape: Sequence[int], compression: str) -> int | None:
+    """Rows a chunk where encode_rows can build a dataset's chunks, else None: "fast", a dtype stored as
+    itself (or bf16, widened), and chunks of whole rows, as chunk_shape gives for all but very wide rows."""
+    if compression != "fast" or dtype not in ROW_ENCODED or len(shape) == 0 or math.prod(shape) == 0:
+        return None
+    chunk = chunk_shape(shape, 4 if dtype == torch.bfloat16 else dtype.itemsize)
+    return chunk[0] if tuple(chunk[1:]) == tuple(shape[1:]) else None
+
+
+def encode_rows(t: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """[n_chunks, stream bytes] uint8 on t's device: the "fast" zlib stream of each chunk of `chunk_rows` rows
+    of t under [shuffle, deflate] (the edge chunk zero-padded, as chunk_at). torch ops only, so a GPU tensor
+    is encoded by the GPU and the host just writes the bytes; on the CPU they run in torch's own threads,
+    without the GIL. Byte planes are kept as stored blocks (all-zero ones too); bf16's two zero widening
+    planes are folded as in encode_shuffled, which this equals wherever no data plane is all zero."""
+    flat = t.contiguous().reshape(-1)
+    rows = t.shape[0]
+    n_chunks = -(-rows // chunk_rows)
+    elems = chunk_rows * (flat.numel() // rows)                # E elements a chunk
+    if n_chunks * elems != flat.numel():
+        flat = torch.cat([flat, flat.new_zeros(n_chunks * elems - flat.numel())])
+    widen = t.dtype == torch.bfloat16
+    item = flat.element_size()
+    data = flat.view(torch.uint8).view(n_chunks, elems, item).transpose(1, 2).reshape(n_chunks, -1)  # shuffled
+    size = data.shape[1]
+    zeros = 2 * elems if widen else 0
+    full, rest = divmod(size, _STORED_BLOCK)
+    head = _ZLIB_HEADER + (_zero_plane_deflate(zeros) if zeros else b"")
+    body = size + 5 * (full + (rest > 0))
+    out = torch.empty(n_chunks, len(head) + body + 9, dtype=torch.uint8, device=t.device)
+    out[:, :len(head)] = _bytes_tensor(head, t.device)
+    if full:
+        blocks = out[:, len(head):len(head) + full * (_STORED_BLOCK + 5)].view(n_chunks, full, _STORED_BLOCK + 5)
+        blocks[:, :, :5] = _bytes_tensor(_FULL_BLOCK_HEADER.tobytes(), t.device)
+        blocks[:, :, 5:] = data[:, :full * _STORED_BLOCK].view(n_chunks, full, _STORED_BLOCK)
+    if rest:
+        tail = out[:, len(head) + full * (_STORED_BLOCK + 5):len(head) + body]
+        tail[:, :5] = _bytes_tensor(struct.pack("<BHH", 0, rest, rest ^ 0xFFFF), t.device)
+        tail[:, 5:] = data[:, full * _STORED_BLOCK:]
+    out[:, -9:-4] = _bytes_tensor(_FINAL_EMPTY_BLOCK, t.device)
+    adler = _adler32_rows(data, zeros)
+    for k, shift in enumerate((24, 16, 8, 0)):                 # big-endian
+        out[:, out.shape[1] - 4 + k] = (adler >> shift) & 0xFF
+    return out
+
+
+def _adler32_rows(data: torch.Tensor, zeros: int) -> torch.Tensor:
+    """adler32 of `zeros` zero bytes then each row of data [C, D] uint8, as int64 [C]. With the sums
+    s = sum(b_i) and w = sum(i * b_i) (i from 0): A = 1 + s and B = zeros + D + D * s - w (mod 65521). w comes
+    from row and column sums of a [Q, K] view, so no int64 copy of the data is made; int64 does not
+    overflow below D = 2**22 (chunks are 1 MiB)."""
+    n, size = data.shape
+    k = 4096
+    if size % k:
+        data = torch.cat([data, data.new_zeros(n, k - size % k)], dim=1)
+    grid = data.view(n, -1, k)
+    by_q = grid.sum(2, dtype=torch.int64)                                   # [C, Q]
+    by_r = grid.sum(1, dtype=torch.int64)                                   # [C, K]
+    s = by_q.sum(1)
+    w = (by_q * torch.arange(by_q.shape[1], device=data.device) * k).sum(1) + \
+        (by_r * torch.arange(k, device=data.device)).sum(1)
+    low = torch.remainder(1 + s, _ADLER_MOD)
+    high = torch.remainder(zeros + size + size * s - w, _ADLER_MOD)
+    return (high << 16) | low
+
+
+@functools.lru_cache(maxsize=32)
+def _bytes_tensor(raw: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+
 def chunk_shape(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
     """Whole trailing dims while they fit in CHUNK_BYTES, then as many rows of the next dim as fit."""
     chunk = list(shape)

@@ -24,7 +24,15 @@ from dsv4debug.capture import (
     chunk_shape,
     )
 from dsv4debug.errors import BadInput
-from dsv4debug.h5chunks import encode_shuffled, shuffled
+from dsv4debug.h5chunks import (
+    chunk_at,
+    encode_chunks,
+    encode_rows,
+    encode_shuffled,
+    row_chunk,
+    shuffled,
+    source_array,
+)
 
 T = 12
 
@@ -206,6 +214,37 @@ def test_encoded_chunks_decode_with_zlib_and_unshuffle():
             raw = np.frombuffer(zlib.decompress(stream), dtype=np.uint8)
             unshuffled = raw.reshape(expected.itemsize, -1).T.copy().view(expected.dtype).reshape(expected.shape)
             assert np.array_equal(unshuffled, expected)
+
+
+def test_encode_rows_builds_the_host_encoders_streams():
+    """The GPU's chunk encoder (torch ops, run here on the CPU) gives the host encoder's bytes for chunks of
+    whole rows: bf16 widened, float32, float64, an edge chunk padded, stored blocks cut mid-plane; its
+    adler32 (sums, not zlib) holds where int64 sums are largest (every byte 0xFF, a whole 1 MiB chunk); and
+    where a data plane is all zero (which the host encoder folds) it still decodes to the same chunk."""
+    import zlib
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(T, 50_000, generator=g).bfloat16(),           # chunks of 5, 5 and 2 rows
+             torch.randn(T, 3, 7_001, generator=g).bfloat16(),
+             torch.randn(T, 5_000, generator=g),
+             torch.randn(77, 100, generator=g, dtype=torch.float64),
+             torch.full((T, 65536), -1, dtype=torch.int32).view(torch.float32),   # NaN bits: all bytes 0xFF
+             torch.zeros(T, 1000).bfloat16()]                           # its data planes are zero too
+    for t in cases:
+        arr, dtype, widen = source_array(t)
+        chunk = chunk_shape(arr.shape, dtype.itemsize)
+        assert row_chunk(t.dtype, t.shape, "fast") == chunk[0] and row_chunk(t.dtype, t.shape, "small") is None
+        origins = [(i,) + (0,) * (t.dim() - 1) for i in range(0, t.shape[0], chunk[0])]
+        host = encode_chunks(arr, origins, chunk, "fast", widen)
+        rows = encode_rows(t, chunk[0])
+        assert rows.shape[0] == len(host)
+        for origin, want, got in zip(origins, host, rows.numpy()):
+            region = chunk_at(arr, origin, chunk).reshape(-1)
+            planes = np.frombuffer(zlib.decompress(got.tobytes()), dtype=np.uint8)   # checks the adler32
+            expected = (region.astype(np.uint32) << 16).view(np.float32) if widen else region
+            assert planes.reshape(dtype.itemsize, -1).T.tobytes() == expected.tobytes()     # NaN bits too
+            if t.abs().sum() > 0:
+                assert got.tobytes() == want.tobytes(), (t.dtype, t.shape, origin)
+    assert row_chunk(torch.int64, (T, 8), "fast") is None and row_chunk(torch.float32, (2, 1 << 20), "fast") is None
 
 
 def test_chunk_shape_bounds_chunk_bytes():
@@ -667,3 +706,35 @@ def test_gpu_capture_refuses_a_site_changed_in_place_before_its_statistics(tmp_p
         w.end_layer("r", 0)
     w.abort()
     assert not path.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_full_capture_encodes_on_the_gpu_what_the_host_writes(tmp_path, monkeypatch):
+    """Stored GPU sites of row-chunked float dtypes get their chunk streams from the GPU (encode_rows, in
+    slices of whole chunks), and the file holds the same chunk bytes, hashes and values as a capture of the
+    same tensors on the CPU (host encoder); int64 ids, which the host encodes, too."""
+    from dsv4debug import capture as cap
+    monkeypatch.setattr(cap, "ENCODE_BYTES", 300_000)              # several encode_rows calls a site
+    calls = []
+    monkeypatch.setattr(cap, "encode_rows", lambda t, rows: calls.append(t.shape) or encode_rows(t, rows))
+    g = torch.Generator().manual_seed(4)
+    sites = {"layers.0.bf16": torch.randn(T, 50_000, generator=g).bfloat16(),
+             "layers.0.f32": torch.randn(T, 3, 700, generator=g),
+             "layers.0.f64": torch.randn(T, 64, generator=g, dtype=torch.float64),
+             "layers.0.ids": torch.randint(0, 384, (T, 6), generator=g)}
+    paths = {}
+    for device in ("cpu", "cuda"):
+        paths[device] = tmp_path / f"{device}.h5"
+        with CaptureWriter(paths[device], meta(), "full") as w:
+            for site, x in sites.items():
+                w.record("r", site, x.to(device), layer=0)
+            w.end_layer("r", 0)
+    assert len(calls) > 3 and all(shape[0] < T for shape in calls[:3])
+    with CaptureReader(paths["cpu"]) as host, CaptureReader(paths["cuda"]) as gpu:
+        for site, x in sites.items():
+            assert torch.equal(gpu.tensor("r", site), x) and gpu.hash("r", site) == host.hash("r", site), site
+            a, b = host.dataset("r", site), gpu.dataset("r", site)
+            for origin in range(0, T, a.chunks[0]):
+                key = (origin,) + (0,) * (a.ndim - 1)
+                assert a.id.read_direct_chunk(key) == b.id.read_direct_chunk(key), (site, origin)
