@@ -204,6 +204,23 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
             for kernel in kinds:
                 profiled(f"forward with a stats capture ({'site_stats kernel' if kernel else 'eager'})",
                          lambda kernel=kernel: captured(kernel, REPEATS))
+            sync(device)
+            t0 = time.perf_counter()
+            forward()
+            t1 = time.perf_counter()
+            sync(device)
+            print(f"plain: forward's host time {t1 - t0:.4f} s, then the GPU {time.perf_counter() - t1:.4f} s")
+            for kernel in kinds:                    # the capture's cost after the GPU is done: end_layer's tail
+                writer = writers[kernel]
+                sync(device)
+                t0 = time.perf_counter()
+                forward(lambda ev, writer=writer: [writer.record("tail", s, t, layer=layer) for s, t in ev.outputs])
+                t1 = time.perf_counter()
+                sync(device)
+                t2 = time.perf_counter()
+                writer.end_layer("tail", layer)
+                print(f"stats capture ({'site_stats' if kernel else 'eager'}): forward's host time {t1 - t0:.4f} s, "
+                      f"then the GPU {t2 - t1:.4f} s, then end_layer {time.perf_counter() - t2:.4f} s")
             host_profiled("forward", forward)       # the Python functions the capture adds to the host's time
             host_profiled("forward with a stats capture (site_stats kernel)", lambda: captured(kinds[-1], "cprofile"))
         for writer in writers.values():

@@ -70,6 +70,7 @@ TMP_SUFFIX = ".tmp"
 COMPRESSIONS = ("fast", "small")
 TASK_BYTES = 4 << 20            # stored bytes encoded per worker task: few tasks, few GIL hand-offs
 ENCODE_BYTES = 64 << 20         # a GPU site's tensor bytes encoded per encode_rows call: bounds its temporaries
+SYNC_BYTES = 256 << 20          # chunk bytes written between background fsyncs: the disk works while we encode
 _STR = h5py.string_dtype()
 
 # (name, type, meaning): the documented attributes, printed by --doc into captures/README.md.
@@ -446,6 +447,11 @@ class CaptureWriter:
         self._prepare_q: queue.Queue = queue.Queue()
         self._write_q: queue.Queue = queue.Queue(maxsize=4)     # bounds encoded sites waiting for HDF5
         self._pending = _ByteBudget(max_pending_bytes)
+        # fsync in the background every SYNC_BYTES, so that close() only waits for the last of the data to reach
+        # the disk instead of all of it (the page cache would otherwise hold the whole capture until then)
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="capture-fsync")
+        self._sync: Future | None = None
+        self._unsynced = 0
         self._error: BaseException | None = None
         self._closed = False
         self._threads = [threading.Thread(target=self._guard, args=(self._prepare_loop,), daemon=True),
@@ -594,6 +600,9 @@ class CaptureWriter:
         for thread in self._threads:
             thread.join()
         self._pool.shutdown()
+        self._syncer.shutdown()             # waits for a background fsync still running
+        if self._sync is not None and self._sync.exception() is not None:
+            self._error = self._error or self._sync.exception()
 
     # ---- background ---------------------------------------------------------------------------------
     def _guard(self, loop: Callable[[], None]) -> None:
@@ -676,6 +685,9 @@ class CaptureWriter:
             for origins, encoded in enc.chunks:
                 for origin, data in zip(origins, encoded.result()):
                     dset.id.write_direct_chunk(origin, data)
+                    self._unsynced += len(data)
+            if self._unsynced >= SYNC_BYTES and (self._sync is None or self._sync.done()):
+                self._sync, self._unsynced = self._syncer.submit(_fsync, self.tmp_path), 0
         dset.attrs["dtype"] = dtype_name(job.dtype)
         dset.attrs["hash"] = enc.hash.result()
         if job.token_slice is not None:

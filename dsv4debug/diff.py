@@ -7,9 +7,13 @@ rel_l2, so it can only under-report).
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 import re
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +23,7 @@ import torch
 from .capture import CaptureReader, plain
 from .errors import BadInput
 from .h5chunks import from_storage, read_rows
-from .metrics import MetricAccumulator
+from .metrics import MetricAccumulator, chunk_values
 
 
 @dataclass(frozen=True)
@@ -210,11 +214,30 @@ def stream_compare(a: CaptureReader, b: CaptureReader, run_a: str, run_b: str, s
     dtype_b = plain(dset_b.attrs["dtype"])
     acc = MetricAccumulator(tuple(dset_b.shape))
     row_elems = max(1, math.prod(dset_b.shape[1:])) if dset_b.ndim else 1
+    pool, window = _metric_pool()
+    pending: deque[tuple[Future, int]] = deque()        # chunks in flight, at most `window` (bounded memory)
     for start, block_a in a.row_blocks(run_a, site):
         rows = block_a.shape[0] if block_a.ndim else 1
         block_b = read_rows(dset_b, start, start + rows, dtype_b) if dset_b.ndim else from_storage(dset_b[()], dtype_b)
-        acc.update(block_a, block_b, start * row_elems)
+        pending.append((pool.submit(chunk_values, block_a, block_b), start * row_elems))
+        if len(pending) >= window:
+            acc.add(*_first_done(pending))
+    while pending:
+        acc.add(*_first_done(pending))
     return acc.result()
+
+
+def _first_done(pending: deque[tuple[Future, int]]) -> tuple[list[float], int]:
+    future, offset = pending.popleft()
+    return future.result(), offset
+
+
+@functools.cache
+def _metric_pool() -> tuple[ThreadPoolExecutor, int]:
+    """Threads for chunk metrics (torch ops, GIL released) while the calling thread reads and decodes the next
+    chunks (h5py and numpy, GIL held): the two overlap, and on a many-core host the metrics run side by side."""
+    workers = min(4, max(1, (os.cpu_count() or 2) // 4))     # each op also takes torch's intra-op threads
+    return ThreadPoolExecutor(workers, thread_name_prefix="diff-metrics"), 2 * workers
 
 
 def diff_captures(path_a: str | Path, path_b: str | Path, run_a: str | None = None, run_b: str | None = None,

@@ -43,7 +43,10 @@ class MetricAccumulator:
 
     def update(self, ref: torch.Tensor, cand: torch.Tensor, offset: int) -> None:
         """Add one chunk; offset is the flat index of its first element in the whole tensor."""
-        values = _chunk_values(ref.reshape(-1), cand.reshape(-1)).tolist()
+        self.add(chunk_values(ref, cand), offset)
+
+    def add(self, values: list[float], offset: int) -> None:
+        """Add one chunk's chunk_values (computed anywhere, e.g. in a worker thread); chunks in order."""
         for key, value in zip(_SUMS, values):
             self.sums[key] += value
         rest = values[len(_SUMS):]
@@ -79,6 +82,11 @@ class MetricAccumulator:
         return [int(i) for i in np.unravel_index(flat, self.shape)] if self.shape else []
 
 
+def chunk_values(ref: torch.Tensor, cand: torch.Tensor) -> list[float]:
+    """What MetricAccumulator.add takes for one chunk of (reference, candidate)."""
+    return _chunk_values(ref.reshape(-1), cand.reshape(-1)).tolist()
+
+
 def _chunk_values(ref: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     """_SUMS, then (value, flat index, ref, cand) of each of _MAXES, then the first mismatch (-1: none)."""
     r, c = ref.double(), cand.double()
@@ -105,11 +113,18 @@ def _finite_chunk_values(r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         i = int(values.argmax())
         maxes += [float(values[i]), i, float(r[i]), float(c[i])]
     within = torch.bincount(ulp.clamp_(max=5).ceil_().long(), minlength=6).cumsum(0)   # ulp <= 0, 1, ... 5
-    mismatches = int(torch.count_nonzero(err))
-    first = int((err != 0).to(torch.uint8).argmax()) if mismatches else -1
+    mismatches = n - int(within[0])                     # ulp is 0 exactly where err is (the spacing is > 0)
+    first = _first_nonzero(err) if mismatches else -1
     sums = [0, 0, 0, 0, 0, mismatches, n, float(torch.dot(r, c)), float(ref_sq), float(cand_sq),
             float(torch.dot(err, err)), int(within[1]), int(within[2]), int(within[4])]
     return torch.tensor([*sums, *maxes, first], dtype=torch.float64)
+
+
+def _first_nonzero(x: torch.Tensor, probe: int = 4096) -> int:
+    """Index of x's first non-zero (x has one): a short probe first, since where two tensors differ they
+    usually differ early, and a whole pass over the chunk only when the probe finds none."""
+    hits = x[:probe].nonzero()
+    return int(hits[0]) if len(hits) else int((x != 0).to(torch.uint8).argmax())
 
 
 def _general_chunk_values(r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

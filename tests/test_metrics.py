@@ -41,6 +41,17 @@ def test_identical_tensors():
     assert m["max_abs_index"] is None and m["mismatches"] == 0 and m["first_mismatch_index"] is None
 
 
+def test_mismatch_counts_and_first_index_past_the_probe():
+    """mismatches and the first mismatch where the first differing element lies beyond the first 4096 (the
+    short probe finds none) and where a difference is below 1 ULP of a large value's neighbour."""
+    ref = torch.linspace(-3, 3, 20_000, dtype=torch.float64).bfloat16()
+    cand = ref.clone()
+    cand[[10_001, 10_002, 19_999]] += torch.tensor([2.0 ** -5, -(2.0 ** -5), 1.0]).bfloat16()
+    m = compare(ref, cand)
+    assert m["mismatches"] == 3 and m["first_mismatch_index"] == [10_001]
+    assert m["mismatches"] == int((ref != cand).sum())
+
+
 def test_nan_and_inf_are_counted_not_fatal():
     ref = torch.tensor([[1.0, float("nan")], [float("inf"), 0.5]])
     cand = torch.tensor([[1.0, float("nan")], [float("-inf"), float("nan")]])
