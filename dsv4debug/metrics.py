@@ -25,11 +25,14 @@ def bf16_ulp(ref: torch.Tensor) -> torch.Tensor:
     """Spacing of bf16 numbers at |ref| (float64 in, float64 out): 2^(floor(log2|ref|) - 7), and 2^-133 at
     and below bf16's subnormals. At an exact power of two this is the spacing above it (below it is half).
 
-    Built from the float64 exponent bits, which costs a few integer passes instead of frexp/ldexp.
+    2^floor(log2|ref|) is ref with its sign and mantissa bits cleared: one integer pass, then float ones
+    (integer shifts and clamps cost several times more per element on a CPU).
     """
-    biased = (ref.view(torch.int64) >> 52) & 0x7FF
-    spacing = (biased - BF16_MANTISSA_BITS).clamp(min=1023 + BF16_MIN_SPACING_EXP)
-    return (spacing << 52).view(torch.float64)
+    power = (ref.view(torch.int64) & _F64_EXPONENT).view(torch.float64)
+    return power.mul_(2.0 ** -BF16_MANTISSA_BITS).clamp_(min=2.0 ** BF16_MIN_SPACING_EXP)
+
+
+_F64_EXPONENT = 0x7FF << 52
 
 
 class MetricAccumulator:
