@@ -701,7 +701,7 @@ class CaptureWriter:
     def _append_rows(self) -> None:
         for run, rows in self._rows.items():
             if rows:
-                table, new = self._file[f"runs/{run}/sites"], np.concatenate(rows)
+                table, new = self._file[f"runs/{run}/sites"], _joined_rows(rows)
                 start = table.shape[0]
                 table.resize((start + len(new),))
                 table[start:] = new
@@ -747,6 +747,14 @@ def _site_rows(jobs: Sequence[_SiteJob], stored: bool) -> np.ndarray:
     rows["attrs"] = [json.dumps(job.row["attrs"], default=_json_default) if job.row["attrs"] else "{}"
                      for job in jobs]
     return rows
+
+
+def _joined_rows(parts: list[np.ndarray]) -> np.ndarray:
+    """One SITE_DTYPE array of parts; many small parts (a row a stored site) go through tuples, as
+    np.concatenate of structured arrays with string objects costs ~20 us a part (a 419-site layer: 8 -> 1 ms)."""
+    if len(parts) <= 4:
+        return np.concatenate(parts)
+    return np.array([row for part in parts for row in part.tolist()], dtype=SITE_DTYPE)
 
 
 @functools.lru_cache(maxsize=4096)
