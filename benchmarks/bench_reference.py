@@ -52,6 +52,16 @@ def timed(fn, device: str, repeat: int = 1) -> float:
     return best
 
 
+def host_then_gpu(fn, device: str) -> tuple[float, float]:
+    """(seconds until fn returns on the host, seconds more until the device has finished its work)."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    t1 = time.perf_counter()
+    sync(device)
+    return t1 - t0, time.perf_counter() - t1
+
+
 def bench_tiny_cpu(seq_len: int) -> dict:
     model = dd.open_model()
     tokens = dd.make_tokens(model, seq_len=seq_len)
@@ -204,23 +214,16 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
             for kernel in kinds:
                 profiled(f"forward with a stats capture ({'site_stats kernel' if kernel else 'eager'})",
                          lambda kernel=kernel: captured(kernel, REPEATS))
-            sync(device)
-            t0 = time.perf_counter()
-            forward()
-            t1 = time.perf_counter()
-            sync(device)
-            print(f"plain: forward's host time {t1 - t0:.4f} s, then the GPU {time.perf_counter() - t1:.4f} s")
+            host, gpu = host_then_gpu(forward, device)
+            print(f"plain: forward's host time {host:.4f} s, then the GPU {gpu:.4f} s")
             for kernel in kinds:                    # the capture's cost after the GPU is done: end_layer's tail
                 writer = writers[kernel]
-                sync(device)
+                host, gpu = host_then_gpu(lambda writer=writer: forward(
+                    lambda ev: [writer.record("tail", s, t, layer=layer) for s, t in ev.outputs]), device)
                 t0 = time.perf_counter()
-                forward(lambda ev, writer=writer: [writer.record("tail", s, t, layer=layer) for s, t in ev.outputs])
-                t1 = time.perf_counter()
-                sync(device)
-                t2 = time.perf_counter()
                 writer.end_layer("tail", layer)
-                print(f"stats capture ({'site_stats' if kernel else 'eager'}): forward's host time {t1 - t0:.4f} s, "
-                      f"then the GPU {t2 - t1:.4f} s, then end_layer {time.perf_counter() - t2:.4f} s")
+                print(f"stats capture ({'site_stats' if kernel else 'eager'}): forward's host time {host:.4f} s, "
+                      f"then the GPU {gpu:.4f} s, then end_layer {time.perf_counter() - t0:.4f} s")
             host_profiled("forward", forward)       # the Python functions the capture adds to the host's time
             host_profiled("forward with a stats capture (site_stats kernel)", lambda: captured(kinds[-1], "cprofile"))
         for writer in writers.values():

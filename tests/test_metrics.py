@@ -42,8 +42,8 @@ def test_identical_tensors():
 
 
 def test_mismatch_counts_and_first_index_past_the_probe():
-    """mismatches and the first mismatch where the first differing element lies beyond the first 4096 (the
-    short probe finds none) and where a difference is below 1 ULP of a large value's neighbour."""
+    """mismatches (counted from the ULP histogram) and the first mismatch where the first differing element
+    lies beyond the first 4096 (the short probe finds none, so the whole chunk is searched)."""
     ref = torch.linspace(-3, 3, 20_000, dtype=torch.float64).bfloat16()
     cand = ref.clone()
     cand[[10_001, 10_002, 19_999]] += torch.tensor([2.0 ** -5, -(2.0 ** -5), 1.0]).bfloat16()
