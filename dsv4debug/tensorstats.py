@@ -53,9 +53,9 @@ def device_rows(t: torch.Tensor, kernel: bool = False) -> DeviceRows:
     site_stats kernel where it takes t (contiguous bf16/fp32/fp64 CUDA tensors of whole 16-byte vectors; needs
     nvidia-cutlass-dsl), which does many tensors in one launch (fill_device_rows)."""
     if kernel and t.is_cuda:
-        stats = _site_stats_module()
-        if stats.supports(t):
-            return DeviceRows(stats.n_rows(t), stats.block_of(t), KERNEL)
+        layout = _site_stats_module().layout(t)
+        if layout is not None:
+            return DeviceRows(*layout, KERNEL)
     return DeviceRows(-(-t.numel() // DEVICE_CHUNK), DEVICE_CHUNK, TORCH_OPS)
 
 

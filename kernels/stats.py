@@ -143,25 +143,32 @@ register(KernelDef("site_stats", "capture", BOTH, _build,
 # Launcher
 # --------------------------------------------------------------------------------------------------------
 
+def layout(t) -> tuple[int, int] | None:
+    """(PARTIALS rows, elements a row) that site_stats writes for t, or None where it does not take t: it takes
+    contiguous bf16, fp32 and fp64 tensors, 16-byte aligned, of whole vectors, on a GPU it is built for (ARCHS;
+    on any other the capture takes torch ops and says so in `gpu_statistics`). Asked at every record()."""
+    size = _ELEMENT_SIZES.get(t.dtype)
+    if size is None or not (t.is_cuda and t.is_contiguous()):
+        return None
+    n, per_vector = t.numel(), 16 // size
+    if not n or n % per_vector or t.data_ptr() % 16 or not kernel_arch(t.get_device()):
+        return None
+    block = BLOCK_VECTORS * per_vector
+    return -(-n // block), block
+
+
 def supports(t) -> bool:
-    """Whether site_stats takes t: a contiguous bf16, fp32 or fp64 tensor, 16-byte aligned, whole vectors, on a
-    GPU it is built for (ARCHS; on any other the capture takes torch ops and says so in `gpu_statistics`)."""
-    if not (t.is_cuda and t.dtype in _TORCH_NAMES and t.is_contiguous() and kernel_arch(t.get_device())):
-        return False
-    return t.numel() > 0 and t.data_ptr() % 16 == 0 and t.numel() % (16 // t.element_size()) == 0
+    """Whether site_stats takes t (see layout)."""
+    return layout(t) is not None
 
 
 _TORCH_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
-
-
-def block_of(t) -> int:
-    """Elements per PARTIALS row for t's dtype."""
-    return BLOCK_VECTORS * (16 // t.element_size())
+_ELEMENT_SIZES = {dtype: dtype.itemsize for dtype in _TORCH_NAMES}
 
 
 def n_rows(t) -> int:
     """PARTIALS rows (CTAs) site_stats writes for t."""
-    return -(-t.numel() // block_of(t))
+    return -(-t.numel() // (BLOCK_VECTORS * (16 // t.element_size())))
 
 
 def site_stats(tensors, first_rows, out, supported: bool = False) -> None:

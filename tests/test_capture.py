@@ -601,8 +601,9 @@ def _same_stats(got: dict, want: dict) -> bool:
 
 def test_stats_slab_batches_sites_and_refuses_one_changed_before_its_launch(monkeypatch):
     """The rows slab of a GPU capture, run on CPU tensors with torch-op statistics: sites wait until
-    DEFER_BYTES of them wait (then one batch for all), the slab grows under waiting sites, every site gets
-    tensor_stats' statistics, and a site changed in place before its batch is refused, naming it."""
+    DEFER_BYTES of them wait (then one batch for all, handed to the writer at once: end_layer is left with the
+    sites after it), the slab grows under waiting sites, every site gets tensor_stats' statistics, and a site
+    changed in place before its batch is refused, naming it."""
     from dsv4debug import capture as cap
     from dsv4debug import tensorstats as ts
     monkeypatch.setattr(cap._StatsSlab, "ROWS", 2)
@@ -614,15 +615,16 @@ def test_stats_slab_batches_sites_and_refuses_one_changed_before_its_launch(monk
     sites = {f"s{i}": torch.randn(5000 + 4_194_304 * (i == 4), generator=g) * (i + 1) for i in range(7)}
     sites["s2"][17] = float("nan")
     submitted: list = []
-    slab = cap._StatsSlab(submitted.extend)
+    slab = cap._StatsSlab(submitted.append)
     jobs = {}
     for name, t in sites.items():
         jobs[name] = cap._SiteJob("r", {"site": name}, t.dtype, tuple(t.shape), None, None, 0)
         slab.add(jobs[name], t, kernel=False)
     assert batches == [3, 2]                  # s0-s2 at the limit; s3 and the large s4 at once; s5, s6 wait
+    assert [[j.row["site"] for j in batch] for batch in submitted] == [["s0", "s1", "s2"], ["s3", "s4"]]
     slab.flush()
-    assert batches == [3, 2, 2] and not slab.unlaunched
-    cap._combine_batch(submitted)
+    assert batches == [3, 2, 2] and not slab.unlaunched and len(submitted) == 3
+    cap._combine_batch([job for batch in submitted for job in batch])
     for name, t in sites.items():
         want = ts.tensor_stats(t)
         got = ts.stats_dict(jobs[name].values, t.dtype, tuple(t.shape))
