@@ -32,7 +32,7 @@ from dsv4debug.model import State, stages
 from dsv4debug.runner import candidate_backend
 
 RESULTS = Path(__file__).parent / "results"
-REPEATS = 15                  # interleaved (forward, capture) pairs, after one untimed capture: single forwards
+REPEATS = 25                  # interleaved (forward, capture) pairs, after one untimed capture: single forwards
                               # of one run spread by up to 1.7x on some machines of the pool
 
 
@@ -155,84 +155,98 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
     if profile:
         profiled("forward", forward)
     # a stats-only capture of every site against the plain forward, interleaved (forward, capture) pairs so
-    # that the host's drift hits both: the median ratio. Eager statistics (torch ops) and on a GPU the
-    # site_stats kernel (the default there); the observer alone (a no-op) for scale.
-    kinds = [False] + ([True] if device.startswith("cuda") else [])
-    ratios: dict[str, list[float]] = {"observer": [], **{f"capture_{k}": [] for k in kinds}}
-    t_capture: dict[bool, float] = {}
+    # that the host's drift hits both: the median ratio, and the best of each. The statistics a capture takes
+    # by default: the site_stats kernel on a GPU, torch ops on the CPU (on a GPU those are profiled once, as
+    # a scale: a launch series a site); the observer alone (a no-op) for scale.
+    kernel = device.startswith("cuda")
+    ratios: dict[str, list[float]] = {"observer": [], "capture": []}
+    t_capture, t_plain_all = [], []
+    plain_gc = {"gc": 0.0, "gc_runs": 0, "gc_full_runs": 0}
     with tempfile.TemporaryDirectory() as tmp:
         writers = {k: CaptureWriter(Path(tmp) / f"bench-{k}.h5", {"token_ids": ids.tolist()}, "stats", stats_kernel=k)
-                   for k in kinds}
+                   for k in {kernel, False}}
+        spent: dict[str, float] = {}                      # the last capture's host time, by part
 
-        spent: dict[bool, dict[str, float]] = {}           # the last capture's host time, by part
-
-        def captured(kernel: bool, rep: int) -> None:     # every site's stats, flushed at the layer's end
+        def captured(kernel: bool, rep) -> None:          # every site's stats, flushed at the layer's end
             writer, run = writers[kernel], f"rep{rep}"
-            part = spent[kernel] = {"record": 0.0, "sites": 0, "launch": 0.0, "launches": 0, "end_layer": 0.0,
-                                    "gc": 0.0, "gc_runs": 0, "gc_full_runs": 0}
-            slab = writer._slab                            # the statistics' batched launches, timed apart
+            spent.clear()
+            spent.update({"record": 0.0, "sites": 0, "slab_add": 0.0, "launch": 0.0, "launches": 0, "flush": 0.0,
+                          "flushes": 0, "end_layer": 0.0, "gc": 0.0, "gc_runs": 0, "gc_full_runs": 0})
+            slab = writer._slab                            # the slab's parts, timed apart (each includes the next)
 
-            def launch(batch=slab.launch) -> None:
-                t0 = time.perf_counter()
-                batch()
-                part["launch"] += time.perf_counter() - t0
-                part["launches"] += 1
-            slab.launch = launch
+            def timed_part(name: str, fn, count: str | None = None):
+                def wrapper(*args):
+                    t0 = time.perf_counter()
+                    fn(*args)
+                    spent[name] += time.perf_counter() - t0
+                    if count:
+                        spent[count] += 1
+                return wrapper
+            slab.add = timed_part("slab_add", slab.add)
+            slab.flush = timed_part("flush", slab.flush, "flushes")
+            slab.launch = timed_part("launch", slab.launch, "launches")
 
             def record(ev) -> None:
                 t0 = time.perf_counter()
                 for s, t in ev.outputs:
                     writer.record(run, s, t, layer=layer)
-                part["record"] += time.perf_counter() - t0
-                part["sites"] += len(ev.outputs)
+                spent["record"] += time.perf_counter() - t0
+                spent["sites"] += len(ev.outputs)
 
-            gc_clock = GcClock(part)
+            gc_clock = GcClock(spent)
             gc.callbacks.append(gc_clock)
             try:
                 t0 = time.perf_counter()
                 forward(record)
                 t1 = time.perf_counter()
                 writer.end_layer(run, layer)
-                part["end_layer"] = time.perf_counter() - t1
-                part["total"] = time.perf_counter() - t0
+                spent["end_layer"] = time.perf_counter() - t1
+                spent["total"] = time.perf_counter() - t0
             finally:
                 gc.callbacks.remove(gc_clock)
-                del slab.launch
+                del slab.add, slab.flush, slab.launch
 
-        for kernel in kinds:                              # compiles and first-use allocations, untimed
-            captured(kernel, "warm-up")
-        t_plain_all = []
+        def plain_forward() -> None:
+            plain_gc.update(gc=0.0, gc_runs=0, gc_full_runs=0)
+            gc_clock = GcClock(plain_gc)
+            gc.callbacks.append(gc_clock)
+            try:
+                forward()
+            finally:
+                gc.callbacks.remove(gc_clock)
+
+        captured(kernel, "warm-up")                        # compiles and first-use allocations, untimed
         for rep in range(REPEATS):
-            t_plain = timed(forward, device)
+            t_plain = timed(plain_forward, device)
             t_plain_all.append(t_plain)
             ratios["observer"].append(timed(lambda: forward(lambda ev: None), device) / t_plain)
-            for kernel in kinds:
-                t = timed(lambda kernel=kernel, rep=rep: captured(kernel, rep), device)
-                t_capture[kernel] = min(t_capture.get(kernel, t), t)
-                ratios[f"capture_{kernel}"].append(t / t_plain)
+            t = timed(lambda rep=rep: captured(kernel, rep), device)
+            t_capture.append(t)
+            ratios["capture"].append(t / t_plain)
+        parts = dict(spent)
         if profile:
-            for kernel in kinds:
-                profiled(f"forward with a stats capture ({'site_stats kernel' if kernel else 'eager'})",
-                         lambda kernel=kernel: captured(kernel, REPEATS))
+            for k in sorted(writers):
+                profiled(f"forward with a stats capture ({'site_stats kernel' if k else 'torch ops'})",
+                         lambda k=k: captured(k, f"profile-{k}"))
             host, gpu = host_then_gpu(forward, device)
             print(f"plain: forward's host time {host:.4f} s, then the GPU {gpu:.4f} s")
-            for kernel in kinds:                    # the capture's cost after the GPU is done: end_layer's tail
-                writer = writers[kernel]
-                host, gpu = host_then_gpu(lambda writer=writer: forward(
-                    lambda ev: [writer.record("tail", s, t, layer=layer) for s, t in ev.outputs]), device)
-                t0 = time.perf_counter()
-                writer.end_layer("tail", layer)
-                print(f"stats capture ({'site_stats' if kernel else 'eager'}): forward's host time {host:.4f} s, "
-                      f"then the GPU {gpu:.4f} s, then end_layer {time.perf_counter() - t0:.4f} s")
+            writer = writers[kernel]                 # the capture's cost after the GPU is done: end_layer's tail
+            host, gpu = host_then_gpu(lambda: forward(
+                lambda ev: [writer.record("tail", s, t, layer=layer) for s, t in ev.outputs]), device)
+            t0 = time.perf_counter()
+            writer.end_layer("tail", layer)
+            print(f"stats capture: forward's host time {host:.4f} s, then the GPU {gpu:.4f} s, then end_layer "
+                  f"{time.perf_counter() - t0:.4f} s")
             host_profiled("forward", forward)       # the Python functions the capture adds to the host's time
-            host_profiled("forward with a stats capture (site_stats kernel)", lambda: captured(kinds[-1], "cprofile"))
+            host_profiled("forward with a stats capture", lambda: captured(kernel, "cprofile"))
         for writer in writers.values():
             writer.abort()
     overhead = {k: statistics.median(v) - 1 for k, v in ratios.items()}
     # the host's noise moves single forwards by +-20%: the best of each kind is the steadier comparison
-    overhead_best = {k: t / min(t_plain_all) - 1 for k, t in t_capture.items()}
-    print("capture host time by part (the last capture, seconds):",
-          {("site_stats" if k else "eager"): v for k, v in spent.items()})
+    overhead_best = min(t_capture) / min(t_plain_all) - 1
+    print(f"stats capture ({'site_stats kernel' if kernel else 'torch ops'}): {overhead['capture']:+.1%} median of "
+          f"{REPEATS} pairs, {overhead_best:+.1%} best of each")
+    print("capture host time by part (the last capture, seconds):", parts, "plain forward's gc:", plain_gc)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
     rate = cublas_rate(device)
     flops = layer_matmul_flops(cfg, layer, seq_len, routed)
@@ -243,13 +257,10 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
             "ideal_seconds": ideal, "forward_seconds_warm": t_warm, "forward_seconds_cold": t_cold,
             "ratio_to_ideal": t_warm / ideal, "target_ratio": 2.0, "meets_target": t_warm / ideal <= 2.0,
             "capture_pairs": REPEATS, "capture_ratios": ratios, "observer_overhead": overhead["observer"],
-            "stats_capture_seconds": t_capture[False], "capture_overhead": overhead["capture_False"],
-            "stats_kernel_capture_seconds": t_capture.get(True),
-            "stats_kernel_capture_overhead": overhead.get("capture_True"),
-            "capture_overhead_best_of_each": overhead_best.get(False),
-            "stats_kernel_capture_overhead_best_of_each": overhead_best.get(True),
-            "forward_seconds_each": t_plain_all,
-            "capture_host_parts": {("site_stats" if k else "eager"): v for k, v in spent.items()},
+            "capture_statistics": "site_stats kernel" if kernel else "torch ops",
+            "stats_capture_seconds": min(t_capture), "capture_overhead": overhead["capture"],
+            "capture_overhead_best_of_each": overhead_best, "forward_seconds_each": t_plain_all,
+            "capture_seconds_each": t_capture, "capture_host_parts": parts, "plain_forward_gc": plain_gc,
             "capture_target": 0.03, "peak_gpu_gib": peak,
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None}
 

@@ -445,7 +445,7 @@ class CaptureWriter:
         self._file.flush()
         self._orders: dict[str, int] = {}
         self._seen: dict[str, set[str]] = {}
-        self._rows: dict[str, list[np.ndarray]] = {}     # writer thread: site-table rows waiting for end_layer
+        self._rows: dict[str, list[np.ndarray]] = {}     # writer thread: site-table rows not yet in their table
         self._pool = ThreadPoolExecutor(workers or os.cpu_count() or 2, thread_name_prefix="capture-encode")
         self._prepare_q: queue.Queue = queue.Queue()
         self._write_q: queue.Queue = queue.Queue(maxsize=4)     # bounds encoded sites waiting for HDF5
@@ -558,7 +558,8 @@ class CaptureWriter:
         shape = tuple(tensor.shape)
         if token_dim is None:
             token_dim = len(shape) > 0 and shape[0] == self.n_tokens
-        store, token_slice = self.policy.decide(site, shape, bool(token_dim) and len(shape) > 0)
+        store, token_slice = (self.policy.decide(site, shape, bool(token_dim) and len(shape) > 0)
+                              if self.policy.store else (False, None))
         # inputs and attrs become JSON in the writer thread (_add_row): the caller's thread is the forward's
         row = {"site": site, "order": self._orders[run], "layer": int(layer), "family": family,
                "inputs": list(inputs), "attrs": dict(extra)}
@@ -673,6 +674,10 @@ class CaptureWriter:
         site's row follows with its tensor, queued right after)."""
         _combine_batch(jobs)
         self._add_rows([job for job in jobs if job.data is None], stored=False)
+        # into the table now, not at end_layer, which is then left with the layer's last batch and the flush;
+        # the table's new extent stays in HDF5's metadata cache (no evictions) until that flush, so a killed
+        # process's file still ends at its last finished layer
+        self._append_rows()
 
     def _write_site(self, enc: _Encoded) -> None:
         job = enc.job

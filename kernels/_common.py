@@ -117,7 +117,7 @@ def device_arch(device) -> str:
 
 def kernel_arch(device) -> str | None:
     """device_arch, or None for a GPU none of ARCHS runs on (callers with a torch path take it there)."""
-    return _arch_of(_device_index(device))
+    return _arch_of(device if isinstance(device, int) else _device_index(device))   # an int: per record()
 
 
 def _device_index(device) -> int:
