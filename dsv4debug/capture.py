@@ -322,11 +322,12 @@ class _StatsSlab:
         n, job.device_block, by = device_rows(tensor, kernel)
         self.sites_by[by] += 1
         device = tensor.device
-        if self.used.get(device, 0) + n > self.MAX_ROWS:
-            self.flush()
         start = self.used.get(device, 0)
+        if start + n > self.MAX_ROWS:
+            self.flush()
+            start = 0
         slab = self.slabs.get(device)
-        if slab is None or slab.shape[0] < start + n:   # rows not yet launched are written into the new slab
+        if slab is None or len(slab) < start + n:       # rows not yet launched are written into the new slab
             grown = torch.empty(max(self.ROWS, 2 * (start + n)), len(PARTIALS), dtype=torch.float64, device=device)
             if start:
                 grown[:start].copy_(slab[:start])
@@ -335,7 +336,7 @@ class _StatsSlab:
         job.device_rows = (None, start, n, None)
         self.waiting.append((job, device))
         self.unlaunched.append((job, tensor, tensor._version, start, by))
-        self.unlaunched_bytes += tensor.numel() * tensor.element_size()
+        self.unlaunched_bytes += tensor.nbytes
         if not self.defer:
             self.launch()
         elif self.unlaunched_bytes >= self.DEFER_BYTES:
@@ -344,13 +345,12 @@ class _StatsSlab:
 
     def launch(self) -> None:
         """Write the rows of every site recorded since the last launch (a few launches for all of them)."""
-        for job, tensor, version, _, _ in self.unlaunched:
+        by_device: dict[torch.device, list[tuple[torch.Tensor, int, str]]] = {}
+        for job, tensor, version, start, by in self.unlaunched:
             if tensor._version != version:
                 raise RuntimeError(f"site {job.row['site']!r} of run {job.run!r} was modified in place after "
                                    "record(), before its statistics were taken; record a copy, or capture with "
                                    "defer_stats=False")
-        by_device: dict[torch.device, list[tuple[torch.Tensor, int, str]]] = {}
-        for _, tensor, _, start, by in self.unlaunched:
             by_device.setdefault(tensor.device, []).append((tensor, start, by))
         for device, items in by_device.items():
             fill_device_rows(items, self.slabs[device])

@@ -145,13 +145,14 @@ register(KernelDef("site_stats", "capture", BOTH, _build,
 
 def layout(t) -> tuple[int, int] | None:
     """(PARTIALS rows, elements a row) that site_stats writes for t, or None where it does not take t: it takes
-    contiguous bf16, fp32 and fp64 tensors, 16-byte aligned, of whole vectors, on a GPU it is built for (ARCHS;
-    on any other the capture takes torch ops and says so in `gpu_statistics`). Asked at every record()."""
+    contiguous bf16, fp32 and fp64 tensors, 16-byte aligned, of whole vectors and fewer than 2**31 elements
+    (check_numel), on a GPU it is built for (ARCHS; on any other the capture takes torch ops and says so in
+    `gpu_statistics`). Asked at every record()."""
     size = _ELEMENT_SIZES.get(t.dtype)
     if size is None or not (t.is_cuda and t.is_contiguous()):
         return None
     n, per_vector = t.numel(), 16 // size
-    if not n or n % per_vector or t.data_ptr() % 16 or not kernel_arch(t.get_device()):
+    if not 0 < n < 2 ** 31 or n % per_vector or t.data_ptr() % 16 or not kernel_arch(t.get_device()):
         return None
     block = BLOCK_VECTORS * per_vector
     return -(-n // block), block
@@ -175,12 +176,13 @@ def site_stats(tensors, first_rows, out, supported: bool = False) -> None:
     """PARTIALS rows of every tensor (each one site_stats `supports`), n_rows(t) of them from out[first_rows[i]]
     (out: contiguous float64 [rows, 7] on their device): one launch per dtype among them, whatever their number.
     The launch is queued on the current stream; tensors may be freed once this returns. `supported`: the
-    caller has asked `supports` of every tensor already (a capture, at each record()), so it is not asked again."""
+    caller placed every tensor's rows by its `layout` inside `out`, on the tensors' device (a capture, at each
+    record()): nothing is checked again (a capture's batch launches in the forward, where each check costs)."""
     if out.dtype != torch.float64 or not out.is_contiguous() or out.dim() != 2 or out.shape[1] != N_PARTIALS:
         raise ValueError(f"site_stats writes a contiguous float64 [rows, {N_PARTIALS}], not {out.dtype} "
                          f"{tuple(out.shape)}")
-    for t, first in zip(tensors, first_rows, strict=True):
-        if not (supported or supports(t)) or t.device != out.device:
+    for t, first in zip(tensors, first_rows, strict=True) if not supported else ():
+        if not supports(t) or t.device != out.device:
             raise ValueError(f"site_stats takes contiguous, aligned bf16/fp32/fp64 CUDA tensors of whole 16-byte "
                              f"vectors on the output's device, not {t.dtype} {tuple(t.shape)} on {t.device}")
         check_numel(t)
