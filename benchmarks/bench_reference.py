@@ -32,6 +32,8 @@ from dsv4debug.model import State, stages
 from dsv4debug.runner import candidate_backend
 
 RESULTS = Path(__file__).parent / "results"
+# the capture's stats slab with other settings, timed in the same pairs (GPU only): name -> _StatsSlab attributes
+SLAB_VARIANTS: dict[str, dict] = {}
 REPEATS = 25                  # interleaved (forward, capture) pairs, after one untimed capture: single forwards
                               # of one run spread by up to 1.7x on some machines of the pool
 
@@ -112,8 +114,8 @@ def cublas_rate(device: str, n: int = 8192) -> float:
     return 2.0 * n ** 3 / t
 
 
-def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False, backend_name: str = "reference"
-                    ) -> dict:
+def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False, backend_name: str = "reference",
+                    repeats: int = REPEATS) -> dict:
     from dsv4debug.capture import CaptureWriter
     from dsv4debug.synth import SyntheticModel
     cfg = preset("pro")
@@ -159,12 +161,18 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
     # by default: the site_stats kernel on a GPU, torch ops on the CPU (on a GPU those are profiled once, as
     # a scale: a launch series a site); the observer alone (a no-op) for scale.
     kernel = device.startswith("cuda")
-    ratios: dict[str, list[float]] = {"observer": [], "capture": []}
+    ratios: dict[str, list[float]] = {"observer": [], "capture": [], **{v: [] for v in SLAB_VARIANTS}}
     t_capture, t_plain_all = [], []
+    t_variants: dict[str, list[float]] = {v: [] for v in SLAB_VARIANTS}
     plain_gc = {"gc": 0.0, "gc_runs": 0, "gc_full_runs": 0}
     with tempfile.TemporaryDirectory() as tmp:
         writers = {k: CaptureWriter(Path(tmp) / f"bench-{k}.h5", {"token_ids": ids.tolist()}, "stats", stats_kernel=k)
                    for k in {kernel, False}}
+        for variant, attrs in SLAB_VARIANTS.items():       # the slab's batching, other settings side by side
+            writers[variant] = CaptureWriter(Path(tmp) / f"bench-{variant}.h5", {"token_ids": ids.tolist()}, "stats",
+                                             stats_kernel=kernel)
+            for name, value in attrs.items():
+                setattr(writers[variant]._slab, name, value)
         spent: dict[str, float] = {}                      # the last capture's host time, by part
 
         def captured(kernel: bool, rep) -> None:          # every site's stats, flushed at the layer's end
@@ -215,11 +223,16 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
             finally:
                 gc.callbacks.remove(gc_clock)
 
-        captured(kernel, "warm-up")                        # compiles and first-use allocations, untimed
-        for rep in range(REPEATS):
+        for k in [kernel, *SLAB_VARIANTS]:
+            captured(k, "warm-up")                         # compiles and first-use allocations, untimed
+        for rep in range(repeats):
             t_plain = timed(plain_forward, device)
             t_plain_all.append(t_plain)
             ratios["observer"].append(timed(lambda: forward(lambda ev: None), device) / t_plain)
+            for variant in SLAB_VARIANTS:
+                t = timed(lambda rep=rep, variant=variant: captured(variant, rep), device)
+                t_variants[variant].append(t)
+                ratios[variant].append(t / t_plain)
             t = timed(lambda rep=rep: captured(kernel, rep), device)
             t_capture.append(t)
             ratios["capture"].append(t / t_plain)
@@ -245,7 +258,9 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
     # the host's noise moves single forwards by +-20%: the best of each kind is the steadier comparison
     overhead_best = min(t_capture) / min(t_plain_all) - 1
     print(f"stats capture ({'site_stats kernel' if kernel else 'torch ops'}): {overhead['capture']:+.1%} median of "
-          f"{REPEATS} pairs, {overhead_best:+.1%} best of each")
+          f"{repeats} pairs, {overhead_best:+.1%} best of each")
+    for variant, times in t_variants.items():
+        print(f"  slab variant {variant}: {overhead[variant]:+.1%} median, {min(times) / min(t_plain_all) - 1:+.1%} best")
     print("capture host time by part (the last capture, seconds):", parts, "plain forward's gc:", plain_gc)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
     rate = cublas_rate(device)
@@ -256,11 +271,13 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
             "layer_type": cfg.layer_type(layer), "matmul_tflop": flops / 1e12, "cublas_tflops": rate / 1e12,
             "ideal_seconds": ideal, "forward_seconds_warm": t_warm, "forward_seconds_cold": t_cold,
             "ratio_to_ideal": t_warm / ideal, "target_ratio": 2.0, "meets_target": t_warm / ideal <= 2.0,
-            "capture_pairs": REPEATS, "capture_ratios": ratios, "observer_overhead": overhead["observer"],
+            "capture_pairs": repeats, "capture_ratios": ratios, "observer_overhead": overhead["observer"],
             "capture_statistics": "site_stats kernel" if kernel else "torch ops",
             "stats_capture_seconds": min(t_capture), "capture_overhead": overhead["capture"],
             "capture_overhead_best_of_each": overhead_best, "forward_seconds_each": t_plain_all,
-            "capture_seconds_each": t_capture, "capture_host_parts": parts, "plain_forward_gc": plain_gc,
+            "capture_seconds_each": t_capture, "slab_variants": {v: {"settings": SLAB_VARIANTS[v],
+            "median_overhead": overhead[v], "best_overhead": min(t) / min(t_plain_all) - 1, "seconds_each": t}
+            for v, t in t_variants.items()}, "capture_host_parts": parts, "plain_forward_gc": plain_gc,
             "capture_target": 0.03, "peak_gpu_gib": peak,
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None}
 
@@ -273,13 +290,20 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print torch profiler tables of one warm forward, and of one with the stats capture")
     ap.add_argument("--backend", default="reference", help="backend of the Pro layer (default the reference)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON result")
+    ap.add_argument("--slab-variants", action="store_true",
+                    help="GPU: also time captures whose stats slab flushes only at end_layer, and with 1 GiB batches")
+    ap.add_argument("--repeats", type=int, default=REPEATS, help="interleaved (forward, capture) pairs")
     args = ap.parse_args()
+    if args.slab_variants and args.device != "cpu":
+        SLAB_VARIANTS.update({"flush_at_end_layer": {"FLUSH_EACH_BATCH": False},
+                              "batches_1GiB": {"DEFER_BYTES": 1 << 30}})
     rows = []
     if args.device == "cpu":
         rows.append(bench_tiny_cpu(args.seq_len or 256))
     else:
         for layer in (int(x) for x in args.layers.split(",")):
-            rows.append(bench_pro_layer(args.device, args.seq_len or 4096, layer, args.profile, args.backend))
+            rows.append(bench_pro_layer(args.device, args.seq_len or 4096, layer, args.profile, args.backend,
+                                        args.repeats))
             torch.cuda.empty_cache()
     doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
            "python": platform.python_version(), "machine": platform.machine(), "rows": rows}

@@ -308,6 +308,7 @@ class _StatsSlab:
 
     ROWS, MAX_ROWS = 8192, 1 << 20                      # 0.4 MiB to start; 56 MiB at most
     DEFER_BYTES = 256 << 20                             # tensors kept alive, at most, for a batched launch
+    FLUSH_EACH_BATCH = True                             # False: a deferred batch is launched, flushed later
 
     def __init__(self, submit: Callable[[list[_SiteJob]], None], defer: bool = True):
         self.submit, self.defer = submit, defer
@@ -340,8 +341,9 @@ class _StatsSlab:
         if not self.defer:
             self.launch()
         elif self.unlaunched_bytes >= self.DEFER_BYTES:
-            self.flush()            # the writer combines this batch while the forward goes on: end_layer, which
-                                    # must wait for the GPU, is then left with the sites after it only
+            # flushed, the writer combines the batch while the forward goes on: end_layer, which must wait for
+            # the GPU, is then left with the sites after it only
+            self.flush() if self.FLUSH_EACH_BATCH else self.launch()
 
     def launch(self) -> None:
         """Write the rows of every site recorded since the last launch (a few launches for all of them)."""
