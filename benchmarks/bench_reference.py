@@ -291,11 +291,11 @@ def main() -> None:
     ap.add_argument("--backend", default="reference", help="backend of the Pro layer (default the reference)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON result")
     ap.add_argument("--slab-variants", action="store_true",
-                    help="GPU: also time captures whose stats slab flushes only at end_layer, and with 1 GiB batches")
+                    help="GPU: also time captures whose stats slab flushes each batch, and with 1 GiB batches")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="interleaved (forward, capture) pairs")
     args = ap.parse_args()
     if args.slab_variants and args.device != "cpu":
-        SLAB_VARIANTS.update({"flush_at_end_layer": {"FLUSH_EACH_BATCH": False},
+        SLAB_VARIANTS.update({"flush_each_batch": {"FLUSH_EACH_BATCH": True},
                               "batches_1GiB": {"DEFER_BYTES": 1 << 30}})
     rows = []
     if args.device == "cpu":

@@ -319,7 +319,8 @@ def test_record_twice_and_bad_names(tmp_path):
 KILLED_WRITER = textwrap.dedent("""
     import sys, torch
     from dsv4debug import capture
-    capture._StatsSlab.DEFER_BYTES = 3 * 64 * 2048 * 2        # GPU stats-only: batches of 3 sites within a layer
+    capture._StatsSlab.DEFER_BYTES = 3 * 64 * 2048 * 2        # GPU stats-only: batches of 3 sites within a layer,
+    capture._StatsSlab.FLUSH_EACH_BATCH = True                # their rows in the table before the layer ends
     path, device, policy = sys.argv[1:]
     w = capture.CaptureWriter(path, {"token_ids": list(range(64))}, policy)
     layer = 0
@@ -609,13 +610,15 @@ def _same_stats(got: dict, want: dict) -> bool:
     return got.keys() == want.keys() and all(same(k) for k in got)
 
 
-def test_stats_slab_batches_sites_and_refuses_one_changed_before_its_launch(monkeypatch):
+@pytest.mark.parametrize("flush_each_batch", [False, True])
+def test_stats_slab_batches_sites_and_refuses_one_changed_before_its_launch(flush_each_batch, monkeypatch):
     """The rows slab of a GPU capture, run on CPU tensors with torch-op statistics: sites wait until
-    DEFER_BYTES of them wait (then one batch for all, handed to the writer at once: end_layer is left with the
-    sites after it), the slab grows under waiting sites, every site gets tensor_stats' statistics, and a site
-    changed in place before its batch is refused, naming it."""
+    DEFER_BYTES of them wait (then one launch for all, and with FLUSH_EACH_BATCH handed to the writer at once),
+    the slab grows under waiting sites, every site gets tensor_stats' statistics, and a site changed in place
+    before its batch is refused, naming it."""
     from dsv4debug import capture as cap
     from dsv4debug import tensorstats as ts
+    monkeypatch.setattr(cap._StatsSlab, "FLUSH_EACH_BATCH", flush_each_batch)
     monkeypatch.setattr(cap._StatsSlab, "ROWS", 2)
     monkeypatch.setattr(cap._StatsSlab, "DEFER_BYTES", 3 * 4 * 5000)           # three [5000] fp32 sites
     batches = []
@@ -631,9 +634,10 @@ def test_stats_slab_batches_sites_and_refuses_one_changed_before_its_launch(monk
         jobs[name] = cap._SiteJob("r", {"site": name}, t.dtype, tuple(t.shape), None, None, 0)
         slab.add(jobs[name], t, kernel=False)
     assert batches == [3, 2]                  # s0-s2 at the limit; s3 and the large s4 at once; s5, s6 wait
-    assert [[j.row["site"] for j in batch] for batch in submitted] == [["s0", "s1", "s2"], ["s3", "s4"]]
+    handed = [[j.row["site"] for j in batch] for batch in submitted]
+    assert handed == ([["s0", "s1", "s2"], ["s3", "s4"]] if flush_each_batch else [])
     slab.flush()
-    assert batches == [3, 2, 2] and not slab.unlaunched and len(submitted) == 3
+    assert batches == [3, 2, 2] and not slab.unlaunched and len(submitted) == (3 if flush_each_batch else 1)
     cap._combine_batch([job for batch in submitted for job in batch])
     for name, t in sites.items():
         want = ts.tensor_stats(t)
