@@ -166,17 +166,19 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
     t_variants: dict[str, list[float]] = {v: [] for v in SLAB_VARIANTS}
     plain_gc = {"gc": 0.0, "gc_runs": 0, "gc_full_runs": 0}
     with tempfile.TemporaryDirectory() as tmp:
-        writers = {k: CaptureWriter(Path(tmp) / f"bench-{k}.h5", {"token_ids": ids.tolist()}, "stats", stats_kernel=k)
-                   for k in {kernel, False}}
-        for variant, attrs in SLAB_VARIANTS.items():       # the slab's batching, other settings side by side
-            writers[variant] = CaptureWriter(Path(tmp) / f"bench-{variant}.h5", {"token_ids": ids.tolist()}, "stats",
-                                             stats_kernel=kernel)
-            for name, value in attrs.items():
-                setattr(writers[variant]._slab, name, value)
+        def stats_writer(key, stats_kernel: bool, slab_settings: dict) -> CaptureWriter:
+            writer = CaptureWriter(Path(tmp) / f"bench-{key}.h5", {"token_ids": ids.tolist()}, "stats",
+                                   stats_kernel=stats_kernel)
+            for name, value in slab_settings.items():
+                setattr(writer._slab, name, value)
+            return writer
+        # by statistics (True: the site_stats kernel), and the slab's other settings side by side
+        writers = {k: stats_writer(k, k, {}) for k in {kernel, False}}
+        writers.update({v: stats_writer(v, kernel, settings) for v, settings in SLAB_VARIANTS.items()})
         spent: dict[str, float] = {}                      # the last capture's host time, by part
 
-        def captured(kernel: bool, rep) -> None:          # every site's stats, flushed at the layer's end
-            writer, run = writers[kernel], f"rep{rep}"
+        def captured(key, rep) -> None:                   # every site's stats, flushed at the layer's end
+            writer, run = writers[key], f"rep{rep}"
             spent.clear()
             spent.update({"record": 0.0, "sites": 0, "slab_add": 0.0, "launch": 0.0, "launches": 0, "flush": 0.0,
                           "flushes": 0, "end_layer": 0.0, "gc": 0.0, "gc_runs": 0, "gc_full_runs": 0})

@@ -679,10 +679,10 @@ class CaptureWriter:
         site's row follows with its tensor, queued right after)."""
         _combine_batch(jobs)
         self._add_rows([job for job in jobs if job.data is None], stored=False)
-        # into the table now (with FLUSH_EACH_BATCH, before end_layer): the table's new extent stays in HDF5's
-        # metadata cache (no evictions) until end_layer's flush, so a killed process's file still ends at its
-        # last finished layer
-        self._append_rows()
+        if self._slab.FLUSH_EACH_BATCH:
+            # into the table before end_layer: the table's new extent stays in HDF5's metadata cache (no
+            # evictions) until end_layer's flush, so a killed process's file still ends at its last finished layer
+            self._append_rows()
 
     def _write_site(self, enc: _Encoded) -> None:
         job = enc.job

@@ -181,13 +181,8 @@ def site_stats(tensors, first_rows, out, supported: bool = False) -> None:
     if out.dtype != torch.float64 or not out.is_contiguous() or out.dim() != 2 or out.shape[1] != N_PARTIALS:
         raise ValueError(f"site_stats writes a contiguous float64 [rows, {N_PARTIALS}], not {out.dtype} "
                          f"{tuple(out.shape)}")
-    for t, first in zip(tensors, first_rows, strict=True) if not supported else ():
-        if not supports(t) or t.device != out.device:
-            raise ValueError(f"site_stats takes contiguous, aligned bf16/fp32/fp64 CUDA tensors of whole 16-byte "
-                             f"vectors on the output's device, not {t.dtype} {tuple(t.shape)} on {t.device}")
-        check_numel(t)
-        if not 0 <= first or first + n_rows(t) > out.shape[0]:
-            raise ValueError(f"site_stats rows [{first}, {first + n_rows(t)}) are outside out's {out.shape[0]}")
+    if not supported:
+        _check_placed(tensors, first_rows, out)
     arch = device_arch(out.device)
     for dtype, name in _TORCH_NAMES.items():
         group = [(t, first) for t, first in zip(tensors, first_rows) if t.dtype == dtype]
@@ -199,6 +194,17 @@ def site_stats(tensors, first_rows, out, supported: bool = False) -> None:
         fn = compile_kernel("site_stats", arch, dtype=name)
         fn(ptr(device_table, Int64, 8), ptr(out, Float64, 8), Int32(table.shape[0]), Int32(out.shape[0]),
            current_stream())
+
+
+def _check_placed(tensors, first_rows, out) -> None:
+    """What site_stats asks of a caller that has not placed its tensors by `layout`."""
+    for t, first in zip(tensors, first_rows, strict=True):
+        if not supports(t) or t.device != out.device:
+            raise ValueError(f"site_stats takes contiguous, aligned bf16/fp32/fp64 CUDA tensors of whole 16-byte "
+                             f"vectors on the output's device, not {t.dtype} {tuple(t.shape)} on {t.device}")
+        check_numel(t)
+        if not 0 <= first or first + n_rows(t) > out.shape[0]:
+            raise ValueError(f"site_stats rows [{first}, {first + n_rows(t)}) are outside out's {out.shape[0]}")
 
 
 class _TableStaging:
