@@ -27,8 +27,13 @@ RESULTS = Path(__file__).parent / "results"
 CALLS = 400
 
 
+BACKLOG_CYCLES = 200_000_000        # ~0.1 s of GPU sleep queued ahead of the calls
+
+
 def per_call(fn, calls: int = CALLS) -> dict[str, float]:
-    """Host and GPU microseconds per call of fn (after a warm-up call)."""
+    """Host and GPU microseconds per call of fn (after a warm-up call), and the host time per call again with
+    the GPU ~0.1 s behind (a queued sleep), as in a forward whose host runs ahead: a call that waits for the GPU
+    anywhere (a hidden synchronisation) shows there as the backlog's length (`backlog_wait_ms`)."""
     fn(0)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -39,7 +44,16 @@ def per_call(fn, calls: int = CALLS) -> dict[str, float]:
     host = time.perf_counter() - t0
     end.record()
     end.synchronize()
-    return {"host_us": host / calls * 1e6, "gpu_us": start.elapsed_time(end) / calls * 1e3}
+    torch.cuda._sleep(BACKLOG_CYCLES)
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    host_busy = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    backlog_left = time.perf_counter() - t1
+    return {"host_us": host / calls * 1e6, "gpu_us": start.elapsed_time(end) / calls * 1e3,
+            "host_us_gpu_behind": host_busy / calls * 1e6, "backlog_left_ms": backlog_left * 1e3}
 
 
 def stats_calls(shape) -> list[tuple[str, dict[str, float]]]:
@@ -53,16 +67,21 @@ def stats_calls(shape) -> list[tuple[str, dict[str, float]]]:
     firsts = [i * stats.n_rows(x) for i in range(64)]
     out = torch.empty(64 * stats.n_rows(x), 7, dtype=torch.float64, device="cuda")
     fn = _common.compile_kernel("site_stats", "sm_90a", dtype="bf16")
-    table = torch.from_numpy(stats._table([x.data_ptr()], [x.numel() // 8], [0])).cuda()
-    args = (_common.ptr(table, Int64, 8), _common.ptr(out, Float64, 8), Int32(table.shape[0]), Int32(out.shape[0]),
+    table, n_cta = stats._table([x.data_ptr()], [x.numel() // 8], [0])
+    table = torch.from_numpy(table).cuda()
+    args = (_common.ptr(table, Int64, 8), _common.ptr(out, Float64, 8), Int32(1), Int32(n_cta), Int32(out.shape[0]),
             _common.current_stream())
     one_call_of_64 = per_call(lambda i: stats.site_stats(batch, firsts, out), calls=CALLS // 8)
+    staging, (table_64, _) = stats._staging(out.device), stats._table([t.data_ptr() for t in batch],
+                                                                      [t.numel() // 8 for t in batch], firsts)
     return [("matmul [.., 7168] @ [7168, 64] (a launch, for scale)", per_call(lambda i: x @ w)),
             ("eager device_stats", per_call(lambda i: ts.device_stats(x))),
             ("site_stats kernel, launcher, one site", per_call(lambda i: stats.site_stats([x], [0], out))),
             ("site_stats kernel, launcher, 64 sites a call (per site)",
              {k: v / 64 for k, v in one_call_of_64.items()}),
-            ("site_stats kernel, compiled function only", per_call(lambda i: fn(*args)))]
+            ("site_stats kernel, compiled function only", per_call(lambda i: fn(*args))),
+            ("site_stats launcher piece: 64 sites' table to the device",
+             per_call(lambda i: staging.to_device(table_64), calls=CALLS // 8))]
 
 
 def main() -> None:
@@ -88,6 +107,15 @@ def main() -> None:
     add("pinned copy of one row", (1, 7), per_call(lambda i: torch.empty(1, 7, dtype=torch.float64,
                                                                          pin_memory=True).copy_(one, non_blocking=True)))
     add("cuda Event() + record()", (), per_call(lambda i: torch.cuda.Event().record()))
+    # why a per-CTA launch table (~7000 int64 x 3 a Pro batch) waited for the GPU: its copy, from a slice of a
+    # pinned tensor and from a whole one, by size
+    for n in (64, 8192):
+        whole = torch.zeros(n, 3, dtype=torch.int64, pin_memory=True)
+        ring = torch.zeros(4, n, 3, dtype=torch.int64, pin_memory=True)
+        add("pinned copy to the device, whole pinned tensor", (n, 3),
+            per_call(lambda i, whole=whole: whole.to("cuda", non_blocking=True)))
+        add("pinned copy to the device, slice of a pinned tensor", (n, 3),
+            per_call(lambda i, ring=ring: ring[i % 4].to("cuda", non_blocking=True)))
 
     ids = list(range(64))
     sites = [torch.randn(64, 7168, device="cuda").bfloat16() for _ in range(8)]
@@ -101,9 +129,10 @@ def main() -> None:
                 wr.end_layer("r", 0)
                 r["end_layer_ms"] = (time.perf_counter() - t0) * 1e3
             add(f"CaptureWriter.record, stats only ({'site_stats' if kernel else 'eager'})", (64, 7168), r)
-    print(f"{'part':58} {'shape':>14} {'host us':>8} {'gpu us':>8}")
+    print(f"{'part':58} {'shape':>14} {'host us':>8} {'gpu us':>8} {'host us, GPU behind':>20} {'backlog left ms':>16}")
     for r in rows:
-        print(f"{r['part']:58} {tuple(r['shape'])!s:>14} {r['host_us']:8.1f} {r['gpu_us']:8.1f}")
+        print(f"{r['part']:58} {tuple(r['shape'])!s:>14} {r['host_us']:8.1f} {r['gpu_us']:8.1f} "
+              f"{r['host_us_gpu_behind']:20.1f} {r['backlog_left_ms']:16.1f}")
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "calls": CALLS, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ import platform
 import pstats
 import statistics
 import tempfile
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -181,7 +182,8 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
             writer, run = writers[key], f"rep{rep}"
             spent.clear()
             spent.update({"record": 0.0, "sites": 0, "slab_add": 0.0, "launch": 0.0, "launches": 0, "flush": 0.0,
-                          "flushes": 0, "end_layer": 0.0, "gc": 0.0, "gc_runs": 0, "gc_full_runs": 0})
+                          "flushes": 0, "end_layer": 0.0, "gc": 0.0, "gc_runs": 0, "gc_full_runs": 0,
+                          "writer_batches": 0.0, "writer_finish_layer": 0.0})
             slab = writer._slab                            # the slab's parts, timed apart (each includes the next)
 
             def timed_part(name: str, fn, count: str | None = None):
@@ -195,6 +197,16 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
             slab.add = timed_part("slab_add", slab.add)
             slab.flush = timed_part("flush", slab.flush, "flushes")
             slab.launch = timed_part("launch", slab.launch, "launches")
+            # the writer thread's part of end_layer: statistics and rows of a batch, the table and HDF5 flush
+            writer._write_batch = timed_part("writer_batches", writer._write_batch)
+            finish_layer = writer._finish_layer
+
+            def timed_finish_layer(run, layer, done):     # timed before end_layer's caller is released
+                t0 = time.perf_counter()
+                finish_layer(run, layer, threading.Event())
+                spent["writer_finish_layer"] += time.perf_counter() - t0
+                done.set()
+            writer._finish_layer = timed_finish_layer
 
             def record(ev) -> None:
                 t0 = time.perf_counter()
@@ -214,7 +226,7 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
                 spent["total"] = time.perf_counter() - t0
             finally:
                 gc.callbacks.remove(gc_clock)
-                del slab.add, slab.flush, slab.launch
+                del slab.add, slab.flush, slab.launch, writer._write_batch, writer._finish_layer
 
         def plain_forward() -> None:
             plain_gc.update(gc=0.0, gc_runs=0, gc_full_runs=0)

@@ -667,18 +667,23 @@ class CaptureWriter:
         group.create_group("tensors", track_order=True)
         self._rows[run] = []
 
-    def _add_rows(self, jobs: Sequence[_SiteJob], stored: bool) -> None:
+    def _add_rows(self, jobs: Sequence[_SiteJob], rows: np.ndarray) -> None:
         if not jobs:
             return
-        rows, runs = _site_rows(jobs, stored), np.array([job.run for job in jobs], dtype=object)
+        runs = np.array([job.run for job in jobs], dtype=object)
         for run in dict.fromkeys(runs):
             self._rows[run].append(rows[runs == run])
 
     def _write_batch(self, jobs: list[_SiteJob]) -> None:
         """A slab flush: the statistics of all its sites at once; rows for the stats-only ones (a stored
-        site's row follows with its tensor, queued right after)."""
+        site's row follows with its tensor, queued right after). Their columns other than the statistics are
+        made first: at end_layer the GPU may still be computing the statistics, and the forward's thread only
+        waits for them, so that Python work overlaps the GPU instead of following it."""
+        stats_only = [job for job in jobs if job.data is None]
+        rows = _site_rows(stats_only, stored=False)
         _combine_batch(jobs)
-        self._add_rows([job for job in jobs if job.data is None], stored=False)
+        _set_statistics(rows, stats_only)
+        self._add_rows(stats_only, rows)
         if self._slab.FLUSH_EACH_BATCH:
             # into the table before end_layer: the table's new extent stays in HDF5's metadata cache (no
             # evictions) until end_layer's flush, so a killed process's file still ends at its last finished layer
@@ -686,7 +691,9 @@ class CaptureWriter:
 
     def _write_site(self, enc: _Encoded) -> None:
         job = enc.job
-        self._add_rows([job], stored=enc.dtype is not None)
+        rows = _site_rows([job], stored=enc.dtype is not None)
+        _set_statistics(rows, [job])
+        self._add_rows([job], rows)
         if enc.dtype is None:
             return
         tensors = self._file[f"runs/{job.run}/tensors"]
@@ -743,23 +750,26 @@ class CaptureWriter:
 
 
 def _site_rows(jobs: Sequence[_SiteJob], stored: bool) -> np.ndarray:
-    """Site-table rows of jobs whose statistics are in, column by column (a layer's ~400 sites in ~1 ms;
-    a row at a time took 60 us a site in the writer thread, all of it at the layer's end)."""
-    shapes = [job.shape for job in jobs]
-    stats = stats_columns([job.stat_values() for job in jobs], shapes)
+    """Site-table rows of jobs, column by column (a layer's ~400 sites in ~1 ms; a row at a time took 60 us a
+    site in the writer thread), all but the statistics (_set_statistics), which may not be in yet."""
     rows = np.empty(len(jobs), dtype=SITE_DTYPE)
     for key in ("site", "order", "layer", "family"):
         rows[key] = [job.row[key] for job in jobs]
     rows["inputs"] = [_json_list(tuple(job.row["inputs"])) for job in jobs]
     rows["dtype"] = [dtype_name(job.dtype) for job in jobs]
-    rows["shape"] = [_json_list(shape) for shape in shapes]
-    for key in (*STAT_KEYS, "numel"):
-        rows[key] = stats[key]
-    rows["first_nonfinite"] = ["null" if at is None else json.dumps(at) for at in stats["first_nonfinite"]]
+    rows["shape"] = [_json_list(job.shape) for job in jobs]
     rows["stored"] = stored
     rows["attrs"] = [json.dumps(job.row["attrs"], default=_json_default) if job.row["attrs"] else "{}"
                      for job in jobs]
     return rows
+
+
+def _set_statistics(rows: np.ndarray, jobs: Sequence[_SiteJob]) -> None:
+    """The statistics' columns of _site_rows' rows, once the jobs' statistics are in."""
+    stats = stats_columns([job.stat_values() for job in jobs], [job.shape for job in jobs])
+    for key in (*STAT_KEYS, "numel"):
+        rows[key] = stats[key]
+    rows["first_nonfinite"] = ["null" if at is None else json.dumps(at) for at in stats["first_nonfinite"]]
 
 
 def _joined_rows(parts: list[np.ndarray]) -> np.ndarray:

@@ -184,15 +184,18 @@ def combine_segments(rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, n
     some = counts > 0
     if not some.any():
         return out
-    st, cnt, n, blk = starts[some], counts[some], numels[some].astype(np.float64), blocks[some].astype(np.float64)
+    st, n, blk = starts[some], numels[some].astype(np.float64), blocks[some].astype(np.float64)
     p = rows.astype(np.float64, copy=False)
     n_nan, n_finite = np.add.reduceat(p[:, 0], st), np.add.reduceat(p[:, 1], st)
     lo, hi = np.minimum.reduceat(p[:, 2], st), np.maximum.reduceat(p[:, 3], st)
     total, sumsq = np.add.reduceat(p[:, 4], st), np.add.reduceat(p[:, 5], st)
-    owner = np.repeat(np.arange(len(st)), cnt)                    # each row's site (among `some`)
-    within = np.arange(len(p)) - np.repeat(st, cnt)               # each row's block index in its site
-    bad = np.where(p[:, 6] >= 0, within * blk[owner] + p[:, 6], np.inf)
-    first = np.minimum.reduceat(bad, st)
+    # the first non-finite index over the rows that have one (most layers: none; a pass over all rows was
+    # half of a Pro layer's combine)
+    first = np.full(len(st), np.inf)
+    bad_rows = np.flatnonzero(p[:, 6] >= 0)
+    if bad_rows.size:
+        owner = np.searchsorted(st, bad_rows, side="right") - 1   # each bad row's site (among `some`)
+        np.minimum.at(first, owner, (bad_rows - st[owner]) * blk[owner] + p[bad_rows, 6])
     # a sum of squares past float64's range (fp32 values near their max) is inf: the std is then inf, not the
     # NaN of inf - inf
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):

@@ -3,10 +3,13 @@
 Eager torch takes about 20 small kernels a site (masks, where, six reductions, casts, a stack), and even one
 launch a site costs the calling thread ~55 us of launcher: a Pro layer records ~430 sites and its forward is
 bound by the host's launches, so a capture's statistics must be launched a batch of sites at a time. This
-kernel works from a table with one row per CTA, (address of its block, vectors in it, output row): each CTA
-reads a contiguous block of up to BLOCK_VECTORS 16-byte vectors (consecutive threads on consecutive vectors)
-of whichever tensor the row points into and writes one float64 row of (nan_count, finite_count, min, max, sum,
-sum_sq, first non-finite index in the block or -1) at its output row. A site's rows are its consecutive
+kernel works from a table with one row per site, (address, 16-byte vectors, first output row, first CTA): a
+CTA finds its site among the table's rows (one row a thread, in one round trip), then reads its block of up to
+BLOCK_VECTORS vectors of that tensor (consecutive threads on consecutive vectors) and writes one float64 row of
+(nan_count, finite_count, min, max, sum, sum_sq, first non-finite index in the block or -1) at the site's
+first row plus its block's index. A table of sites, not of CTAs, keeps the host's part of a launch small: a
+per-CTA table of a Pro layer's batch (~7000 rows) took 0.15 ms to build and copy, and its copy waited for the
+GPU wherever the GPU ran behind (2 ms a launch, H200 2026-12-03). A site's rows are its consecutive
 blocks, which the host combines with `tensorstats.combine_segments` as it does the eager chunks. Counts,
 extremes and the first index are exact; sums accumulate the values (bf16 and fp32 widened exactly, fp64 as they
 are) in float64 per thread, then through a shared-memory tree, so they match eager's float64 sums to rounding.
@@ -15,6 +18,7 @@ Non-finite by the exponent bits (all ones), NaN when the mantissa is also non-ze
 from __future__ import annotations
 
 import functools
+import itertools
 
 import cutlass
 import numpy as np
@@ -44,7 +48,8 @@ ITERS = 16                          # vectors per thread per CTA
 BLOCK_VECTORS = THREADS * ITERS     # 16-byte vectors per CTA (a table row)
 NONE = 1 << 30                      # "no non-finite element yet" (blocks are far smaller)
 N_PARTIALS = 7
-TABLE_COLUMNS = 3                   # int64: block address, vectors in the block, output row
+TABLE_COLUMNS = 4                   # int64 a site: address, vectors, first output row, first CTA
+MAX_SITES = THREADS                 # table rows a launch: one a thread (the launcher splits larger batches)
 
 
 class SiteStats:
@@ -55,18 +60,29 @@ class SiteStats:
         self.value = Float64 if self.wide else Float32
 
     @cute.jit
-    def __call__(self, table_ptr: cute.Pointer, out_ptr: cute.Pointer, n_cta: Int32, n_out: Int32, stream):
-        mTable = cute.make_tensor(table_ptr, cute.make_layout((TABLE_COLUMNS, n_cta), stride=(1, TABLE_COLUMNS)))
+    def __call__(self, table_ptr: cute.Pointer, out_ptr: cute.Pointer, n_sites: Int32, n_cta: Int32,
+                 n_out: Int32, stream):
+        mTable = cute.make_tensor(table_ptr, cute.make_layout((TABLE_COLUMNS, n_sites), stride=(1, TABLE_COLUMNS)))
         mOut = cute.make_tensor(out_ptr, cute.make_layout((N_PARTIALS, n_out), stride=(1, N_PARTIALS)))
-        self.kernel(mTable, mOut).launch(grid=[n_cta, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        self.kernel(mTable, mOut, n_sites).launch(grid=[n_cta, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mTable: cute.Tensor, mOut: cute.Tensor):
+    def kernel(self, mTable: cute.Tensor, mOut: cute.Tensor, n_sites: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        address = mTable[0, bidx]
-        n_vec = Int32(mTable[1, bidx])
-        row = Int32(mTable[2, bidx])
+        smem = SmemAllocator()
+        mine = smem.allocate_tensor(Int32, cute.make_layout((1,)), byte_alignment=16)
+        if tidx < n_sites:                                   # the one site whose CTAs include this one
+            start = Int32(mTable[3, tidx])
+            n_blocks = (Int32(mTable[1, tidx]) + (BLOCK_VECTORS - 1)) // BLOCK_VECTORS
+            if start <= bidx and bidx < start + n_blocks:  # noqa: PLR1716 - as checked on the GPU (traced)
+                mine[0] = tidx
+        cute.arch.barrier()
+        site = mine[0]
+        block = bidx - Int32(mTable[3, site])
+        address = mTable[0, site] + Int64(block) * (BLOCK_VECTORS * 16)
+        n_vec = cutlass.min(Int32(mTable[1, site]) - block * BLOCK_VECTORS, Int32(BLOCK_VECTORS))
+        row = Int32(mTable[2, site]) + block
         x_ptr = cute.make_ptr(self.dtype, address, cute.AddressSpace.gmem, assumed_align=16)
         mX = cute.make_tensor(x_ptr, cute.make_layout((self.vec, BLOCK_VECTORS), stride=(1, self.vec)))
         n_nan, n_fin, first = Int32(0), Int32(0), Int32(NONE)
@@ -98,7 +114,6 @@ class SiteStats:
                     sum_sq += kept * kept
                     first = cutlass.select_(special and first == NONE, local * self.vec + e, first)
 
-        smem = SmemAllocator()
         red_i = smem.allocate_tensor(Int32, cute.make_layout((3, THREADS), stride=(THREADS, 1)), byte_alignment=16)
         red_f = smem.allocate_tensor(self.value, cute.make_layout((2, THREADS), stride=(THREADS, 1)), byte_alignment=16)
         red_d = smem.allocate_tensor(Float64, cute.make_layout((2, THREADS), stride=(THREADS, 1)), byte_alignment=16)
@@ -130,7 +145,7 @@ class SiteStats:
 
 
 def _build(dtype: str = "bf16"):
-    return SiteStats(dtype), (fake_ptr(Int64, 8), fake_ptr(Float64, 8), Int32(1), Int32(1), fake_stream())
+    return SiteStats(dtype), (fake_ptr(Int64, 8), fake_ptr(Float64, 8), Int32(1), Int32(1), Int32(1), fake_stream())
 
 
 register(KernelDef("site_stats", "capture", BOTH, _build,
@@ -186,14 +201,14 @@ def site_stats(tensors, first_rows, out, supported: bool = False) -> None:
     arch = device_arch(out.device)
     for dtype, name in _TORCH_NAMES.items():
         group = [(t, first) for t, first in zip(tensors, first_rows) if t.dtype == dtype]
-        if not group:
-            continue
-        table = _table([t.data_ptr() for t, _ in group], [t.numel() * t.element_size() // 16 for t, _ in group],
-                       [first for _, first in group])
-        device_table = _staging(out.device).to_device(table)
-        fn = compile_kernel("site_stats", arch, dtype=name)
-        fn(ptr(device_table, Int64, 8), ptr(out, Float64, 8), Int32(table.shape[0]), Int32(out.shape[0]),
-           current_stream())
+        for at in range(0, len(group), MAX_SITES):
+            part = group[at:at + MAX_SITES]
+            table, n_cta = _table([t.data_ptr() for t, _ in part], [t.numel() * t.element_size() // 16 for t, _ in part],
+                                  [first for _, first in part])
+            device_table = _staging(out.device).to_device(table)
+            fn = compile_kernel("site_stats", arch, dtype=name)
+            fn(ptr(device_table, Int64, 8), ptr(out, Float64, 8), Int32(len(part)), Int32(n_cta), Int32(out.shape[0]),
+               current_stream())
 
 
 def _check_placed(tensors, first_rows, out) -> None:
@@ -213,8 +228,7 @@ class _TableStaging:
     previous turn have run (one event a turn). A launch then allocates no pinned memory: while the GPU runs
     behind the host, the caching host allocator has no free block and each allocation is a cudaHostAlloc."""
 
-    HALF_ROWS = 1 << 18                           # 6 MiB a half, a row per 64 KiB of sites: 16 GiB, two Pro
-                                                  # layers at 4096 tokens (a smaller half waited for the GPU)
+    HALF_ROWS = 1 << 14                           # 0.5 MiB a half, a row a site: ~40 Pro layers of ~420 sites
 
     def __init__(self, device):
         self.device = device
@@ -223,9 +237,7 @@ class _TableStaging:
         self.turn_done: list = [None, None]       # an event after the last copy of each half's last turn
 
     def to_device(self, table: np.ndarray):
-        n = len(table)
-        if n > self.HALF_ROWS:                    # larger than a half (> 16 GiB of sites in one call)
-            return torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)
+        n = len(table)                            # <= MAX_SITES
         if self.cursor + n > self.HALF_ROWS:
             self.turn_done[self.half] = torch.cuda.Event()
             self.turn_done[self.half].record()
@@ -243,12 +255,8 @@ def _staging(device) -> _TableStaging:
     return _TableStaging(device)
 
 
-def _table(addresses, vectors, first_rows) -> np.ndarray:
-    """The launch table, one int64 row (block address, vectors in the block, output row) per CTA."""
-    addresses, vectors, first_rows = (np.asarray(a, dtype=np.int64) for a in (addresses, vectors, first_rows))
-    counts = -(-vectors // BLOCK_VECTORS)
-    site = np.repeat(np.arange(len(counts)), counts)
-    block = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    return np.stack([addresses[site] + block * (BLOCK_VECTORS * 16),
-                     np.minimum(vectors[site] - block * BLOCK_VECTORS, BLOCK_VECTORS),
-                     first_rows[site] + block], axis=1)
+def _table(addresses, vectors, first_rows) -> tuple[np.ndarray, int]:
+    """The launch table, one int64 row a site (address, vectors, first output row, first CTA), and its CTAs."""
+    blocks = [-(-v // BLOCK_VECTORS) for v in vectors]
+    starts = list(itertools.accumulate(blocks, initial=0))
+    return np.array([addresses, vectors, first_rows, starts[:-1]], dtype=np.int64).T, starts[-1]

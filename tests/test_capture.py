@@ -572,8 +572,8 @@ def test_combine_segments_equals_combine_blocks_site_by_site(monkeypatch):
 
 
 def test_site_rows_hold_each_sites_statistics():
-    """The writer builds a batch's site-table rows column by column (stats_columns): read back, each row holds
-    the statistics stats_dict gives that site alone, for finite sites, NaN/Inf ones (first coordinates),
+    """The writer builds a batch's site-table rows column by column, the statistics' columns apart
+    (stats_columns, once they are in): read back, each row holds the statistics stats_dict gives that site alone, for finite sites, NaN/Inf ones (first coordinates),
     sites with nothing finite (NaN extremes and moments, l2 0), empty and scalar sites."""
     from dsv4debug import capture as cap
     from dsv4debug import tensorstats as ts
@@ -589,6 +589,7 @@ def test_site_rows_hold_each_sites_statistics():
         job.values = ts.combine_blocks([ts.block_stats(b) for b in ts.host_blocks(t)], t.numel(), ts.HOST_BLOCK)
         jobs.append(job)
     rows = cap._site_rows(jobs, stored=False)
+    cap._set_statistics(rows, jobs)
     for i, (name, t) in enumerate(sites.items()):
         record = cap._site_record("r", rows[i])
         assert record["site"] == name and record["inputs"] == ["embed"] and not record["stored"]

@@ -93,15 +93,26 @@ def test_cli_check_without_gpu_exits_2(capsys):
 
 
 def test_site_stats_table_covers_every_tensor_once():
-    """site_stats' launch table (one row per CTA: block address, vectors, output row) tiles each tensor's
-    16-byte vectors exactly once, in blocks of BLOCK_VECTORS, with its rows consecutive from its first row."""
+    """site_stats' launch table (a row a site: address, vectors, first output row, first CTA) with the
+    kernel's rule for a CTA (its site is the row whose CTAs include it; its block is its offset from that row's
+    first CTA) tiles each tensor's 16-byte vectors exactly once, in blocks of BLOCK_VECTORS, with the site's
+    rows consecutive from its first row."""
     import numpy as np
     from dsv4_kernels.stats import BLOCK_VECTORS, _table
     addresses, vectors, firsts = [4096, 1 << 40, 77 << 20], [1, 3 * BLOCK_VECTORS, 2 * BLOCK_VECTORS + 5], [3, 10, 0]
-    table = _table(addresses, vectors, firsts)
-    assert table.dtype == np.int64 and table.shape == (1 + 3 + 3, 3)
+    table, n_cta = _table(addresses, vectors, firsts)
+    assert table.dtype == np.int64 and table.shape == (3, 4) and n_cta == 1 + 3 + 3
+    ctas = []                                   # (address, vectors, output row) of each CTA, as the kernel reads
+    for cta in range(n_cta):
+        site = [i for i, (_, n_vec, _, start) in enumerate(table) if start <= cta < start + -(-n_vec // BLOCK_VECTORS)]
+        assert len(site) == 1
+        address, n_vec, first, start = table[site[0]]
+        block = cta - start
+        ctas.append((address + 16 * BLOCK_VECTORS * block, min(n_vec - block * BLOCK_VECTORS, BLOCK_VECTORS),
+                     first + block))
+    ctas = np.array(ctas)
     for address, n_vec, first in zip(addresses, vectors, firsts):
-        mine = table[(table[:, 0] >= address) & (table[:, 0] < address + 16 * n_vec)]
+        mine = ctas[(ctas[:, 0] >= address) & (ctas[:, 0] < address + 16 * n_vec)]
         assert list(mine[:, 2]) == list(range(first, first + len(mine)))
         assert list(mine[:, 0]) == [address + 16 * BLOCK_VECTORS * b for b in range(len(mine))]
         assert mine[:, 1].sum() == n_vec and (mine[:-1, 1] == BLOCK_VECTORS).all() and mine[-1, 1] > 0
