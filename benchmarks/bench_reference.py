@@ -251,8 +251,17 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
             t_capture.append(t)
             ratios["capture"].append(t / t_plain)
         parts = dict(spent)
+        overhead = {k: statistics.median(v) - 1 for k, v in ratios.items()}
+        # the host's noise moves single forwards by +-20%: the best of each kind is the steadier comparison
+        overhead_best = min(t_capture) / min(t_plain_all) - 1
+        print(f"stats capture ({'site_stats kernel' if kernel else 'torch ops'}): {overhead['capture']:+.1%} median "
+              f"of {repeats} pairs, {overhead_best:+.1%} best of each")
+        for variant, times in t_variants.items():
+            print(f"  slab variant {variant}: {overhead[variant]:+.1%} median, "
+                  f"{min(times) / min(t_plain_all) - 1:+.1%} best")
+        print("capture host time by part (the last capture, seconds):", parts, "plain forward's gc:", plain_gc)
         if profile:
-            for k in sorted(writers):
+            for k in dict.fromkeys((kernel, False)):     # by statistics (the slab variants are not profiled)
                 profiled(f"forward with a stats capture ({'site_stats kernel' if k else 'torch ops'})",
                          lambda k=k: captured(k, f"profile-{k}"))
             host, gpu = host_then_gpu(forward, device)
@@ -268,14 +277,6 @@ def bench_pro_layer(device: str, seq_len: int, layer: int, profile: bool = False
             host_profiled("forward with a stats capture", lambda: captured(kernel, "cprofile"))
         for writer in writers.values():
             writer.abort()
-    overhead = {k: statistics.median(v) - 1 for k, v in ratios.items()}
-    # the host's noise moves single forwards by +-20%: the best of each kind is the steadier comparison
-    overhead_best = min(t_capture) / min(t_plain_all) - 1
-    print(f"stats capture ({'site_stats kernel' if kernel else 'torch ops'}): {overhead['capture']:+.1%} median of "
-          f"{repeats} pairs, {overhead_best:+.1%} best of each")
-    for variant, times in t_variants.items():
-        print(f"  slab variant {variant}: {overhead[variant]:+.1%} median, {min(times) / min(t_plain_all) - 1:+.1%} best")
-    print("capture host time by part (the last capture, seconds):", parts, "plain forward's gc:", plain_gc)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
     rate = cublas_rate(device)
     flops = layer_matmul_flops(cfg, layer, seq_len, routed)

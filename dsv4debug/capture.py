@@ -31,6 +31,7 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
+from numpy.lib.recfunctions import repack_fields
 from typing_extensions import Self
 
 from . import __version__
@@ -667,33 +668,36 @@ class CaptureWriter:
         group.create_group("tensors", track_order=True)
         self._rows[run] = []
 
-    def _add_rows(self, jobs: Sequence[_SiteJob], rows: np.ndarray) -> None:
-        if not jobs:
-            return
-        runs = np.array([job.run for job in jobs], dtype=object)
-        for run in dict.fromkeys(runs):
-            self._rows[run].append(rows[runs == run])
-
     def _write_batch(self, jobs: list[_SiteJob]) -> None:
         """A slab flush: the statistics of all its sites at once; rows for the stats-only ones (a stored
-        site's row follows with its tensor, queued right after). Their columns other than the statistics are
-        made first: at end_layer the GPU may still be computing the statistics, and the forward's thread only
-        waits for them, so that Python work overlaps the GPU instead of following it."""
+        site's row follows with its tensor, queued right after). At end_layer the GPU may still be computing the
+        statistics while the forward's thread only waits, so the rows go into the site table first, all but
+        the statistics' columns (their strings are most of a table write), and those columns follow. None of it
+        reaches the file before end_layer's flush (the table's new extent stays in HDF5's metadata cache), and
+        a failure takes the rows out again."""
         stats_only = [job for job in jobs if job.data is None]
-        rows = _site_rows(stats_only, stored=False)
-        _combine_batch(jobs)
-        _set_statistics(rows, stats_only)
-        self._add_rows(stats_only, rows)
-        if self._slab.FLUSH_EACH_BATCH:
-            # into the table before end_layer: the table's new extent stays in HDF5's metadata cache (no
-            # evictions) until end_layer's flush, so a killed process's file still ends at its last finished layer
-            self._append_rows()
+        if not stats_only:
+            _combine_batch(jobs)
+            return
+        self._append_rows()                             # earlier rows first: the table keeps execution order
+        rows, runs = _site_rows(stats_only, stored=False), np.array([job.run for job in stats_only], dtype=object)
+        placed = [(run, runs == run) for run in dict.fromkeys(runs)]
+        starts = [self._append_table(run, rows[mine]) for run, mine in placed]
+        try:
+            _combine_batch(jobs)
+            _set_statistics(rows, stats_only)
+            for (run, mine), start in zip(placed, starts):
+                _write_statistics(self._file[f"runs/{run}/sites"], start, rows[mine])
+        except BaseException:
+            for (run, _), start in zip(placed, starts):
+                self._file[f"runs/{run}/sites"].resize((start,))
+            raise
 
     def _write_site(self, enc: _Encoded) -> None:
         job = enc.job
         rows = _site_rows([job], stored=enc.dtype is not None)
         _set_statistics(rows, [job])
-        self._add_rows([job], rows)
+        self._rows[job.run].append(rows)
         if enc.dtype is None:
             return
         tensors = self._file[f"runs/{job.run}/tensors"]
@@ -721,11 +725,16 @@ class CaptureWriter:
     def _append_rows(self) -> None:
         for run, rows in self._rows.items():
             if rows:
-                table, new = self._file[f"runs/{run}/sites"], _joined_rows(rows)
-                start = table.shape[0]
-                table.resize((start + len(new),))
-                table[start:] = new
+                self._append_table(run, _joined_rows(rows))
                 rows.clear()
+
+    def _append_table(self, run: str, rows: np.ndarray) -> int:
+        """Append rows to run's site table; returns where they start."""
+        table = self._file[f"runs/{run}/sites"]
+        start = table.shape[0]
+        table.resize((start + len(rows),))
+        table[start:] = rows
+        return start
 
     def _finish_layer(self, run: str, layer: int, done: threading.Event) -> None:
         self._append_rows()
@@ -751,8 +760,10 @@ class CaptureWriter:
 
 def _site_rows(jobs: Sequence[_SiteJob], stored: bool) -> np.ndarray:
     """Site-table rows of jobs, column by column (a layer's ~400 sites in ~1 ms; a row at a time took 60 us a
-    site in the writer thread), all but the statistics (_set_statistics), which may not be in yet."""
-    rows = np.empty(len(jobs), dtype=SITE_DTYPE)
+    site in the writer thread), all but the statistics (_set_statistics), which may not be in yet: those are
+    zero, first_nonfinite "null"."""
+    rows = np.zeros(len(jobs), dtype=SITE_DTYPE)
+    rows["first_nonfinite"] = "null"
     for key in ("site", "order", "layer", "family"):
         rows[key] = [job.row[key] for job in jobs]
     rows["inputs"] = [_json_list(tuple(job.row["inputs"])) for job in jobs]
@@ -764,10 +775,21 @@ def _site_rows(jobs: Sequence[_SiteJob], stored: bool) -> np.ndarray:
     return rows
 
 
+STATISTICS_COLUMNS = (*STAT_KEYS, "numel")             # the numeric ones; first_nonfinite is a string
+
+
+def _write_statistics(table: h5py.Dataset, start: int, rows: np.ndarray) -> None:
+    """The statistics' columns of rows already in table from start (as _site_rows made them): the numeric
+    columns in one write, and a site's whole row where it has a non-finite element."""
+    table[(slice(start, start + len(rows)), *STATISTICS_COLUMNS)] = repack_fields(rows[list(STATISTICS_COLUMNS)])
+    for i in np.flatnonzero(rows["first_nonfinite"] != "null"):
+        table[start + i] = rows[i]
+
+
 def _set_statistics(rows: np.ndarray, jobs: Sequence[_SiteJob]) -> None:
     """The statistics' columns of _site_rows' rows, once the jobs' statistics are in."""
     stats = stats_columns([job.stat_values() for job in jobs], [job.shape for job in jobs])
-    for key in (*STAT_KEYS, "numel"):
+    for key in STATISTICS_COLUMNS:
         rows[key] = stats[key]
     rows["first_nonfinite"] = ["null" if at is None else json.dumps(at) for at in stats["first_nonfinite"]]
 

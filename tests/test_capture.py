@@ -651,6 +651,42 @@ def test_stats_slab_batches_sites_and_refuses_one_changed_before_its_launch(flus
         slab.flush()
 
 
+def test_slab_batch_rows_get_their_statistics_and_a_failed_batch_leaves_none(tmp_path, monkeypatch):
+    """A slab batch's rows go into the site table before their statistics are in, then the statistics'
+    columns (the writer's slab run on CPU tensors with torch-op statistics): read back, every row holds its
+    site's statistics, a NaN site's first element included, in execution order across runs. A batch whose
+    statistics fail leaves none of its rows: the table keeps the finished layer's only."""
+    from dsv4debug import capture as cap
+    from dsv4debug import tensorstats as ts
+    g = torch.Generator().manual_seed(4)
+    sites = {f"layers.0.s{i}": torch.randn(300 * (i + 1), generator=g) for i in range(5)}
+    sites["layers.0.s3"][[41, 77]] = float("nan")
+    writer = cap.CaptureWriter(tmp_path / "c.h5", {"token_ids": [1, 2, 3]}, "stats")
+
+    def add(run, order, name, t):
+        job = cap._SiteJob(run, {"site": name, "order": order, "layer": 0, "family": "f", "inputs": [],
+                                 "attrs": {}}, t.dtype, tuple(t.shape), None, None, 0)
+        writer._slab.add(job, t, kernel=False)
+    for run in ("a", "b"):
+        writer.begin_run(run)
+    for i, (name, t) in enumerate(sites.items()):
+        for run in ("a", "b"):
+            add(run, i, name, t * (2 if run == "b" else 1))
+    writer.end_layer("a", 0)
+    monkeypatch.setattr(cap, "_combine_batch", lambda jobs: 1 / 0)
+    add("a", 5, "layers.1.s0", torch.ones(8))
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        writer.end_layer("a", 1)
+    with h5py.File(writer.abort()) as f:
+        for run, scale in (("a", 1), ("b", 2)):
+            table = f[f"runs/{run}/sites"][:]
+            assert [r["site"].decode() for r in table] == list(sites)
+            for row, (name, t) in zip(table, sites.items()):
+                got = cap._site_record(run, row)["stats"]
+                assert _same_stats(got, ts.tensor_stats(t * scale)), name
+            assert cap._site_record(run, table[3])["stats"]["first_nonfinite"] == [41]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_site_stats_kernel_equals_eager_statistics():
