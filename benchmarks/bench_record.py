@@ -78,7 +78,7 @@ def stats_calls(shape) -> list[tuple[str, dict[str, float]]]:
             ("eager device_stats", per_call(lambda i: ts.device_stats(x))),
             ("site_stats kernel, launcher, one site", per_call(lambda i: stats.site_stats([x], [0], out))),
             ("site_stats kernel, launcher, 64 sites a call (per site)",
-             {k: v / 64 for k, v in one_call_of_64.items()}),
+             {k: v if k == "backlog_left_ms" else v / 64 for k, v in one_call_of_64.items()}),
             ("site_stats kernel, compiled function only", per_call(lambda i: fn(*args))),
             ("site_stats launcher piece: 64 sites' table to the device",
              per_call(lambda i: staging.to_device(table_64), calls=CALLS // 8))]
