@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -336,14 +337,19 @@ def exact_compile(fn: Callable, dynamic: bool = True) -> Callable:
             for table in _CONSTANTS:
                 on_device(table, device)
         # set and restored by hand: config.patch() builds a class a call (~40 us of a reference layer's
-        # ~400 calls, on a host that bounds the forward)
-        limit = dynamo_config.recompile_limit
-        dynamo_config.recompile_limit = max(limit, 128)
-        try:
-            return compiled(*args)
-        finally:
-            dynamo_config.recompile_limit = limit
+        # ~400 calls, on a host that bounds the forward); under a lock, or two threads could restore each
+        # other's raised limit for good
+        with _RECOMPILE_LIMIT_LOCK:
+            limit = dynamo_config.recompile_limit
+            dynamo_config.recompile_limit = max(limit, 128)
+            try:
+                return compiled(*args)
+            finally:
+                dynamo_config.recompile_limit = limit
     return run
+
+
+_RECOMPILE_LIMIT_LOCK = threading.Lock()
 
 
 # format -> (dequantiser, the stored tensors it takes)
