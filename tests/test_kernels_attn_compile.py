@@ -53,15 +53,9 @@ def test_wgmma_kernel_is_hopper_only_and_configs_are_checked():
         sparse_attn.SparseAttn(kv="fp8", bn=64, lookahead=4)
 
 
-def _ptx(build, **cfg) -> str:
-    from cutlass import cute
-    kern, args = build(**cfg)
-    return cute.compile[cute.GPUArch("sm_90a"), cute.KeepPTX](kern, *args).artifacts.PTX
-
-
 @pytest.fixture(scope="module")
-def fp8_ptx():
-    return _ptx(sparse_attn._build, kv="fp8", bn=32, lookahead=2, split=False)
+def fp8_ptx(ptx_of):
+    return ptx_of(sparse_attn._build, kv="fp8", bn=32, lookahead=2, split=False)
 
 
 def test_ptx_sparse_attn_fp8(fp8_ptx):
@@ -309,12 +303,12 @@ def test_indexer_compiles_for_hopper(name, cfg):
     assert compile_kernel(name, "sm_90a", **cfg) is not None
 
 
-def test_indexer_ptx():
+def test_indexer_ptx(ptx_of):
     from dsv4_kernels import indexer
-    ptx = _ptx(indexer._build_scores)
+    ptx = ptx_of(indexer._build_scores)
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 8     # K = 128
     assert "cvt.rn.bf16.f32" in ptx                   # the reference's bf16 rounding points are kept
-    top = _ptx(indexer._build_topk)
+    top = ptx_of(indexer._build_topk)
     assert "atom.shared.cta.add" in top and "vote.sync.ballot" in top and "popc" in top
 
 
@@ -544,12 +538,12 @@ def test_bench_script_dry_run_on_cpu(torch_attn_kernels, monkeypatch, tmp_path):
         assert (tmp_path / f"{phase}.json").exists() and (tmp_path / f"{phase}.partial.json").exists()
 
 
-def test_bf16_gemm_f32_compiles_and_accumulates():
+def test_bf16_gemm_f32_compiles_and_accumulates(ptx_of):
     from dsv4_kernels import _common
     from dsv4_kernels import compressor as CP
     _common._CACHE.pop(("bf16_gemm_f32", (), "sm_90a"), None)
     assert compile_kernel("bf16_gemm_f32", "sm_90a") is not None
-    ptx = _ptx(CP._build_gemm)
+    ptx = ptx_of(CP._build_gemm)
     wg = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert len(wg) == 4 and all("m64n128k16.f32.bf16.bf16" in ln for ln in wg)
     assert "cp.async.bulk.tensor.2d" in ptx

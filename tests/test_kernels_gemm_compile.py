@@ -39,19 +39,8 @@ def test_wgmma_kernels_are_hopper_only():
         compile_kernel("w4a16_gemm", "sm_100a", n_tok=16)
 
 
-@pytest.fixture(autouse=True)
-def _in_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)          # KeepPTX also writes the .ptx into the working directory
-
-
-def _ptx(build, **cfg) -> str:
-    from cutlass import cute
-    kern, args = build(**cfg)
-    return cute.compile[cute.GPUArch("sm_90a"), cute.KeepPTX](kern, *args).artifacts.PTX
-
-
-def test_ptx_has_register_sourced_bf16_wgmma_and_no_fp4_conversion():
-    ptx = _ptx(gemm_w4a16._build, n_tok=16, grouped=True, epilogue="swiglu")
+def test_ptx_has_register_sourced_bf16_wgmma_and_no_fp4_conversion(ptx_of):
+    ptx = ptx_of(gemm_w4a16._build, n_tok=16, grouped=True, epilogue="swiglu")
     wg = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert wg and all(".bf16.bf16" in ln for ln in wg)
     a_ops = [re.search(r"\}, \{([^}]*)\}", ln).group(1) for ln in wg]
@@ -61,31 +50,31 @@ def test_ptx_has_register_sourced_bf16_wgmma_and_no_fp4_conversion():
 
 @pytest.mark.parametrize("cfg", [{"n_tok": 16, "split_k": True, "tile_k": 128},
                                  {"n_tok": 16, "grouped": True, "epilogue": "swiglu"}], ids=["decode", "moe"])
-def test_ptx_wgmma_groups_have_no_branch(cfg):
+def test_ptx_wgmma_groups_have_no_branch(cfg, ptx_of):
     """With one token sub-tile, a stage's WGMMAs are issued without a branch between fence and commit: under
     one, ptxas waits for them at the commit (C7519) and the next stage's decode no longer overlaps them."""
-    ptx = _ptx(gemm_w4a16._build, **cfg)
+    ptx = ptx_of(gemm_w4a16._build, **cfg)
     groups = re.findall(r"wgmma\.fence\.sync\.aligned;(.*?)wgmma\.commit_group", ptx, re.DOTALL)
     assert groups and all("wgmma.mma_async" in g and not re.search(r"\bbra\b", g) for g in groups)
 
 
-def test_ptx_split_k_sum_keeps_loads_in_flight():
+def test_ptx_split_k_sum_keeps_loads_in_flight(ptx_of):
     """The last CTA of a row tile sums the splits' fp32 partials with a thread's 8 values of 4 splits loaded
     together (32 loads in the unrolled body), not one L2 round trip after another."""
-    ptx = _ptx(gemm_w4a16._build, n_tok=16, split_k=True)
+    ptx = ptx_of(gemm_w4a16._build, n_tok=16, split_k=True)
     assert ptx.count("ld.global.cg.f32") >= 32
 
 
 @pytest.mark.parametrize("tile_n", gemm_fp8.TILE_NS)
-def test_ptx_fp8_gemm_and_quant(tile_n):
-    gemm = _ptx(gemm_fp8._build_gemm, tile_n=tile_n)
+def test_ptx_fp8_gemm_and_quant(tile_n, ptx_of):
+    gemm = ptx_of(gemm_fp8._build_gemm, tile_n=tile_n)
     assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k32.f32.e4m3.e4m3" in gemm
     # the epilogue: tile_n / 4 bf16 pairs a thread (cvt.rn.bf16x2), swapped within quads, stored as 16-byte
     # vectors (8 a thread for 128-wide tiles)
     pairs = tile_n // 4
     assert gemm.count("cvt.rn.bf16x2.f32") == pairs
     assert gemm.count("st.global") == gemm.count("st.global.v4.b32") == pairs // 4
-    quant = _ptx(gemm_fp8._build_quant)
+    quant = ptx_of(gemm_fp8._build_quant)
     # 4 conversions of two values a vector, VECS vectors a thread
     assert quant.count("cvt.rn.satfinite.e4m3x2.f32") == 4 * gemm_fp8.Fp8ActQuant.vecs and "div.rn.f32" in quant
 
