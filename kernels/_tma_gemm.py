@@ -72,6 +72,24 @@ class TmaOperandsAB:
                                            cute.group_modes(gB, 0, 2))
         return pipe, sA, sB, (tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
 
+    def consumer_operands(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor, tidx):
+        """In a consumer warpgroup: (tCrA, tCrB, tCc, acc), its WGMMA fragments of the A and B stages, the
+        (row, column) in the tile of each of its accumulator values, and its fp32 accumulator, zeroed."""
+        thr = tiled_mma.get_slice(tidx - 128)
+        tCrA = tiled_mma.make_fragment_A(thr.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr.partition_B(sB))
+        tCc = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc.fill(0.0)
+        return tCrA, tCrB, tCc, acc
+
+    @cute.jit
+    def producer_warpgroup(self, pipe, loads, k_tiles, warp, lane):
+        """Warpgroup 0: its registers given to the consumers, warp 0 the producer."""
+        cute.arch.setmaxregister_decrease(40)
+        if warp == 0:
+            self.produce(pipe, loads, k_tiles, lane)
+
     @cute.jit
     def produce(self, pipe, loads, k_tiles, lane):
         """The producer warp: both operands' k-tiles into the pipeline's stages, in order."""

@@ -378,18 +378,10 @@ class Bf16GemmF32(TmaOperandsAB):
         k_tiles = k // self.tile_k
         pipe, sA, sB, loads = self.operand_pipeline(tma_a, mA, tma_b, mB, sA_layout, sB_layout, bx, by)
         if warp < 4:
-            cute.arch.setmaxregister_decrease(40)
-            if warp == 0:
-                self.produce(pipe, loads, k_tiles, lane)
+            self.producer_warpgroup(pipe, loads, k_tiles, warp, lane)
         else:
             cute.arch.setmaxregister_increase(232)
-            ctid = tidx - 128
-            thr = tiled_mma.get_slice(ctid)
-            tCrA = tiled_mma.make_fragment_A(thr.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr.partition_B(sB))
-            tCc = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-            acc = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-            acc.fill(0.0)
+            tCrA, tCrB, tCc, acc = self.consumer_operands(tiled_mma, sA, sB, tidx)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)          # acc starts at zero: always accumulate
             kblocks = cute.size(tCrA, mode=[2])
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)

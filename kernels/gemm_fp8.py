@@ -158,23 +158,13 @@ class Fp8BlockGemm(TmaOperandsAB):
         pipe, sA, sB, loads = self.operand_pipeline(tma_a, mA, tma_b, mB, sA_layout, sB_layout, bx, by)
 
         if warp < 4:
-            cute.arch.setmaxregister_decrease(40)
-            if warp == 0:
-                self.produce(pipe, loads, k_tiles, lane)
+            self.producer_warpgroup(pipe, loads, k_tiles, warp, lane)
         else:
             cute.arch.setmaxregister_increase(232)
-            ctid = tidx - 128
-            thr_mma = tiled_mma.get_slice(ctid)
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            cC = cute.make_identity_tensor((self.tile_m, self.tile_n))
-            tCcC = thr_mma.partition_C(cC)
-            acc_shape = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
-            acc = cute.make_rmem_tensor(acc_shape, Float32)
-            acc.fill(0.0)
+            tCrA, tCrB, tCcC, acc = self.consumer_operands(tiled_mma, sA, sB, tidx)
             # two block accumulators: the WGMMAs of k-tile t + 1 run while tile t is promoted into acc
-            tmp0 = cute.make_rmem_tensor(acc_shape, Float32)
-            tmp1 = cute.make_rmem_tensor(acc_shape, Float32)
+            tmp0 = cute.make_rmem_tensor(acc.shape, Float32)
+            tmp1 = cute.make_rmem_tensor(acc.shape, Float32)
             # this thread's two accumulator rows (r and r + 8)
             r_lo, _ = tCcC[0]
             r_hi, _ = tCcC[2]
