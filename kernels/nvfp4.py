@@ -108,10 +108,7 @@ class Quant:
     def kernel(self, mX: cute.Tensor, mG: cute.Tensor, mC: cute.Tensor, mS: cute.Tensor, nblk: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        # CTAs run in block order, so they walk x from its end: nvfp4_amax read x from its start just before,
-        # and the part of x still in L2 is its end (a Pro activation, 59 MB, does not fit in the 50 MB L2)
-        b = (gdim - 1 - bidx) * self.threads + tidx
+        b = bidx * self.threads + tidx
         bc = cutlass.min(b, nblk - 1)
         rX = cute.make_rmem_tensor((8, 2), BFloat16)
         cute.autovec_copy(mX[None, None, bc], rX)
