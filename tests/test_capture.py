@@ -689,12 +689,18 @@ def test_slab_batch_rows_get_their_statistics_and_a_failed_batch_leaves_none(tmp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_site_stats_kernel_equals_eager_statistics():
+@pytest.mark.parametrize("max_sites", [None, 3], ids=["one-launch-a-dtype", "launches-of-3-sites"])
+def test_site_stats_kernel_equals_eager_statistics(max_sites, monkeypatch):
     """The site_stats kernel, many tensors of every dtype in one call (as a capture batches its sites), gives
     each the eager device statistics: counts, extremes, absmax and the first non-finite element exactly,
     sums to float64 rounding; sizes of one partial CTA, several CTAs and a ragged last one; NaN/Inf anywhere,
-    or none, or nothing finite; rows written at their offsets only."""
+    or none, or nothing finite; rows written at their offsets only. Also where a dtype's sites take more than
+    one launch (a launch takes at most MAX_SITES, here 3 of 4)."""
+    from dsv4_kernels import stats
+
     from dsv4debug import tensorstats as ts
+    if max_sites:
+        monkeypatch.setattr(stats, "MAX_SITES", max_sites)
     g = torch.Generator(device="cuda").manual_seed(5)
     tensors = []
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
