@@ -189,8 +189,8 @@ def n_rows(t) -> int:
 
 def site_stats(tensors, first_rows, out, supported: bool = False) -> None:
     """PARTIALS rows of every tensor (each one site_stats `supports`), n_rows(t) of them from out[first_rows[i]]
-    (out: contiguous float64 [rows, 7] on their device): one launch per dtype among them, whatever their number.
-    The launch is queued on the current stream; tensors may be freed once this returns. `supported`: the
+    (out: contiguous float64 [rows, 7] on their device): one launch per dtype among them and MAX_SITES tensors,
+    whatever their sizes. The launches are queued on the current stream; tensors may be freed once this returns. `supported`: the
     caller placed every tensor's rows by its `layout` inside `out`, on the tensors' device (a capture, at each
     record()): nothing is checked again (a capture's batch launches in the forward, where each check costs)."""
     if out.dtype != torch.float64 or not out.is_contiguous() or out.dim() != 2 or out.shape[1] != N_PARTIALS:
