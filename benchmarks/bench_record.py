@@ -33,7 +33,8 @@ BACKLOG_CYCLES = 200_000_000        # ~0.1 s of GPU sleep queued ahead of the ca
 def per_call(fn, calls: int = CALLS) -> dict[str, float]:
     """Host and GPU microseconds per call of fn (after a warm-up call), and the host time per call again with
     the GPU ~0.1 s behind (a queued sleep), as in a forward whose host runs ahead: a call that waits for the GPU
-    anywhere (a hidden synchronisation) shows there as the backlog's length (`backlog_wait_ms`)."""
+    anywhere (a hidden synchronisation) shows there as the backlog's length, and little of the backlog is left
+    after the calls (`backlog_left_ms`)."""
     fn(0)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

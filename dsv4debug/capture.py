@@ -345,9 +345,10 @@ class _StatsSlab:
         if not self.defer:
             self.launch()
         elif self.unlaunched_bytes >= self.DEFER_BYTES:
-            # flushed, the writer combines the batch while the forward goes on: end_layer, which must wait for
-            # the GPU, is then left with the sites after it only
-            self.flush() if self.FLUSH_EACH_BATCH else self.launch()
+            if self.FLUSH_EACH_BATCH:   # the writer combines the batch while the forward goes on: end_layer,
+                self.flush()            # which must wait for the GPU, is then left with the sites after it only
+            else:
+                self.launch()
 
     def launch(self) -> None:
         """Write the rows of every site recorded since the last launch (a few launches for all of them)."""
@@ -681,16 +682,16 @@ class CaptureWriter:
             return
         self._append_rows()                             # earlier rows first: the table keeps execution order
         rows, runs = _site_rows(stats_only, stored=False), np.array([job.run for job in stats_only], dtype=object)
-        placed = [(run, runs == run) for run in dict.fromkeys(runs)]
-        starts = [self._append_table(run, rows[mine]) for run, mine in placed]
+        placed = [(self._file[f"runs/{run}/sites"], runs == run) for run in dict.fromkeys(runs)]
+        starts = [_append_table(table, rows[mine]) for table, mine in placed]
         try:
             _combine_batch(jobs)
             _set_statistics(rows, stats_only)
-            for (run, mine), start in zip(placed, starts):
-                _write_statistics(self._file[f"runs/{run}/sites"], start, rows[mine])
+            for (table, mine), start in zip(placed, starts):
+                _write_statistics(table, start, rows[mine])
         except BaseException:
-            for (run, _), start in zip(placed, starts):
-                self._file[f"runs/{run}/sites"].resize((start,))
+            for (table, _), start in zip(placed, starts):
+                table.resize((start,))
             raise
 
     def _write_site(self, enc: _Encoded) -> None:
@@ -725,16 +726,8 @@ class CaptureWriter:
     def _append_rows(self) -> None:
         for run, rows in self._rows.items():
             if rows:
-                self._append_table(run, _joined_rows(rows))
+                _append_table(self._file[f"runs/{run}/sites"], _joined_rows(rows))
                 rows.clear()
-
-    def _append_table(self, run: str, rows: np.ndarray) -> int:
-        """Append rows to run's site table; returns where they start."""
-        table = self._file[f"runs/{run}/sites"]
-        start = table.shape[0]
-        table.resize((start + len(rows),))
-        table[start:] = rows
-        return start
 
     def _finish_layer(self, run: str, layer: int, done: threading.Event) -> None:
         self._append_rows()
@@ -773,6 +766,14 @@ def _site_rows(jobs: Sequence[_SiteJob], stored: bool) -> np.ndarray:
     rows["attrs"] = [json.dumps(job.row["attrs"], default=_json_default) if job.row["attrs"] else "{}"
                      for job in jobs]
     return rows
+
+
+def _append_table(table: h5py.Dataset, rows: np.ndarray) -> int:
+    """Append rows to a site table; returns where they start."""
+    start = table.shape[0]
+    table.resize((start + len(rows),))
+    table[start:] = rows
+    return start
 
 
 STATISTICS_COLUMNS = (*STAT_KEYS, "numel")             # the numeric ones; first_nonfinite is a string

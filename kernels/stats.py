@@ -10,8 +10,8 @@ BLOCK_VECTORS vectors of that tensor (consecutive threads on consecutive vectors
 first row plus its block's index. A table of sites, not of CTAs, keeps the host's part of a launch small: a
 per-CTA table of a Pro layer's batch (~7000 rows) took 0.15 ms to build and copy, and the launch waited for
 the GPU wherever the GPU ran behind (2 ms a launch; the site table's does not: H200, 2026-12-03). A site's
-rows are its consecutive blocks, which the host combines with `tensorstats.combine_segments` as it does the eager chunks. Counts,
-extremes and the first index are exact; sums accumulate the values (bf16 and fp32 widened exactly, fp64 as they
+rows are its consecutive blocks, which the host combines with `tensorstats.combine_segments` as it does the
+eager chunks. Counts, extremes and the first index are exact; sums accumulate the values (bf16 and fp32 widened exactly, fp64 as they
 are) in float64 per thread, then through a shared-memory tree, so they match eager's float64 sums to rounding.
 Non-finite by the exponent bits (all ones), NaN when the mantissa is also non-zero.
 """
@@ -190,23 +190,26 @@ def n_rows(t) -> int:
 def site_stats(tensors, first_rows, out, supported: bool = False) -> None:
     """PARTIALS rows of every tensor (each one site_stats `supports`), n_rows(t) of them from out[first_rows[i]]
     (out: contiguous float64 [rows, 7] on their device): one launch per dtype among them and MAX_SITES tensors,
-    whatever their sizes. The launches are queued on the current stream; tensors may be freed once this returns. `supported`: the
-    caller placed every tensor's rows by its `layout` inside `out`, on the tensors' device (a capture, at each
-    record()): nothing is checked again (a capture's batch launches in the forward, where each check costs)."""
+    whatever their sizes. The launches are queued on the current stream; tensors may be freed once this
+    returns. `supported`: the caller placed every tensor's rows by its `layout` inside `out`, on the tensors'
+    device (a capture, at each record()): nothing is checked again (a capture's batch launches in the forward,
+    where each check costs)."""
     if out.dtype != torch.float64 or not out.is_contiguous() or out.dim() != 2 or out.shape[1] != N_PARTIALS:
         raise ValueError(f"site_stats writes a contiguous float64 [rows, {N_PARTIALS}], not {out.dtype} "
                          f"{tuple(out.shape)}")
     if not supported:
         _check_placed(tensors, first_rows, out)
-    arch = device_arch(out.device)
+    arch, staging = device_arch(out.device), _staging(out.device)
     for dtype, name in _TORCH_NAMES.items():
         group = [(t, first) for t, first in zip(tensors, first_rows) if t.dtype == dtype]
+        if not group:
+            continue
+        fn = compile_kernel("site_stats", arch, dtype=name)
         for at in range(0, len(group), MAX_SITES):
             part = group[at:at + MAX_SITES]
-            table, n_cta = _table([t.data_ptr() for t, _ in part], [t.numel() * t.element_size() // 16 for t, _ in part],
-                                  [first for _, first in part])
-            device_table = _staging(out.device).to_device(table)
-            fn = compile_kernel("site_stats", arch, dtype=name)
+            table, n_cta = _table([t.data_ptr() for t, _ in part],
+                                  [t.numel() * t.element_size() // 16 for t, _ in part], [first for _, first in part])
+            device_table = staging.to_device(table)
             fn(ptr(device_table, Int64, 8), ptr(out, Float64, 8), Int32(len(part)), Int32(n_cta), Int32(out.shape[0]),
                current_stream())
 
