@@ -196,6 +196,18 @@ def current_stream():
     return stream
 
 
+_SCRATCH: dict = {}
+
+
+def scratch(key, make):
+    """A device buffer kept for the process (split-K partials and tickets), one per key. Never freed or
+    replaced: a CUDA graph that captured a launch keeps using the buffer it saw."""
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = _SCRATCH[key] = make()
+    return buf
+
+
 def check_numel(*tensors) -> None:
     """In-kernel offsets are 32-bit: refuse tensors of 2**31 elements or more instead of overflowing."""
     for t in tensors:
@@ -246,6 +258,28 @@ def bits_f32(x: Int32, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def u32_of_i32(x: Int32, *, loc=None, ip=None) -> Uint32:
     return Uint32(Int32(x).ir_value(loc=loc, ip=ip))
+
+
+def fmax_nan(a: Float32, b: Float32) -> Float32:
+    return cute.arch.inline_ptx("max.NaN.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
+                                read_only_args=[a, b])
+
+
+def fmin_nan(a: Float32, b: Float32) -> Float32:
+    return cute.arch.inline_ptx("min.NaN.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
+                                read_only_args=[a, b])
+
+
+def ld_cg_f32(addr: Int64) -> Float32:
+    """L2-coherent load (split-K partials written by other CTAs; never served from a stale L1 line)."""
+    return cute.arch.inline_ptx("ld.global.cg.f32 {$w0}, [{$r0}];", write_only_types=[Float32],
+                                read_only_args=[addr])
+
+
+def ld_cg_f32x2(addr: Int64):
+    """Two consecutive fp32 values (8-byte aligned) by one L2-coherent load."""
+    return cute.arch.inline_ptx("ld.global.cg.v2.f32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Float32, Float32],
+                                read_only_args=[addr])
 
 
 def group_sum(val, threads: int):

@@ -84,15 +84,16 @@ class TmaOperandsAB:
         return tCrA, tCrB, tCc, acc
 
     @cute.jit
-    def producer_warpgroup(self, pipe, loads, k_tiles, warp, lane):
+    def producer_warpgroup(self, pipe, loads, k_tiles, warp, lane, k_first=0):
         """Warpgroup 0: its registers given to the consumers, warp 0 the producer."""
         cute.arch.setmaxregister_decrease(40)
         if warp == 0:
-            self.produce(pipe, loads, k_tiles, lane)
+            self.produce(pipe, loads, k_tiles, lane, k_first)
 
     @cute.jit
-    def produce(self, pipe, loads, k_tiles, lane):
-        """The producer warp: both operands' k-tiles into the pipeline's stages, in order."""
+    def produce(self, pipe, loads, k_tiles, lane, k_first=0):
+        """The producer warp: both operands' k-tiles k_first .. k_first + k_tiles - 1 into the pipeline's
+        stages, in order (k_first: a split-K part's first tile)."""
         tma_a, tAgA, tAsA, tma_b, tBgB, tBsB = loads
         if lane == 0:
             cpasync.prefetch_descriptor(tma_a)
@@ -101,8 +102,8 @@ class TmaOperandsAB:
         for kt in cutlass.range(k_tiles, unroll=1):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
-            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_a, tAgA[(None, k_first + kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_b, tBgB[(None, k_first + kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
             pipe.producer_commit(state)
             state.advance()
         pipe.producer_tail(state)

@@ -6,8 +6,8 @@ y[m, n] = sum_kb sa[kb, m] * sb[n / 128, kb] * sum_{k in block kb} xq[m, k] * wq
   (amax clamped below at 1e-4), xq = e4m3(x / s) with saturation, exactly what the `sim` backend's
   fp8_act_quant (dsv4_references.fp8_sim with block 128) computes, scales stored fp32 [K/128, M].
 - Weights: the checkpoint's e4m3 [N, K] as they are; the e8m0 block scales as fp32 [N/128, K/128].
-- GEMM: TMA tiles 128 x 128 x 128, or 128 x 64 x 128 where 128-wide tiles would leave most SMs idle
-  (pick_tile_n; one K block per pipeline stage), producer warpgroup + two consumer
+- GEMM: TMA tiles 128 x 128 x 128, or 128 x 64 x 128, with K split into parts summed in fp32 where whole
+  tiles would leave SMs idle (pick_config; one K block per pipeline stage), producer warpgroup + two consumer
   warpgroups (64 rows each), 4 WGMMA m64nNk32 per stage into a fresh fp32 accumulator which is then
   promoted into the main fp32 accumulator times sa * sb (DeepGEMM's per-block promotion: Hopper's FP8 WGMMA
   accumulates with reduced precision, so no product sum runs longer than one 128-wide block).
@@ -20,13 +20,17 @@ import cutlass
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, cute, pipeline
 from cutlass.cute.nvgpu import warpgroup
 
-from ._common import KernelDef, bits_f32, f32_bits, fake_ptr, fake_stream, register
+from ._common import KernelDef, bits_f32, f32_bits, fake_ptr, fake_stream, fmax_nan, ld_cg_f32x2, register
 from ._tma_gemm import TmaOperandsAB
 
 SM90 = ("sm_90a",)
 SMEM_BYTES = 227 * 1024
 TILE_NS = (128, 64)         # 64-wide tiles double the CTAs of narrow N (wkv's N = 512: 64 CTAs at M = 2048)
 TILE64_RATE = 0.6           # a 64-wide tile's speed over a 128-wide one's in full waves (H200: 0.60-0.66)
+MAX_SPLIT = 16              # split-K parts
+SPLIT_MAX_M = 256           # split K only for one or two rows of tiles (decode, small batches)
+CTA_FIXED_KTILES = 7        # decode cost model, in k-tiles of a CTA's main loop: its fixed part (fill, epilogue)
+SPLIT_PART_KTILES = 2       # and the sum of the fp32 partials, per part (fit to the H200's decode rows)
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
@@ -35,11 +39,6 @@ def bf16x2(lo: Float32, hi: Float32) -> Uint32:
     """Two fp32 values rounded to bf16 (round to nearest even) in one 32-bit word, lo in the low half."""
     return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32],
                                 read_only_args=[hi, lo])
-
-
-def fmax_nan(a: Float32, b: Float32) -> Float32:
-    return cute.arch.inline_ptx("max.NaN.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
-                                read_only_args=[a, b])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -120,45 +119,59 @@ register(KernelDef("fp8_act_quant", "linear", ("sm_90a", "sm_100a"), _build_quan
 
 class Fp8BlockGemm(TmaOperandsAB):
     """xq e4m3 [M, K] (K-major), w e4m3 [N, K] (K-major), sa fp32 [K/128, M], sb fp32 [N/128, K/128] -> y bf16
-    [M, N], written as bf16 pairs (y_ptr: 32-bit words, [M, N/2])."""
+    [M, N], written as bf16 pairs (y_ptr: 32-bit words, [M, N/2]).
+
+    split_k: grid z splits K into n_split equal parts (the host picks a divisor of K/128). Each part writes its
+    fp32 tile to a workspace [n_split, M, N]; per consumer warp a ticket counts the parts done, and the warp
+    that finishes last sums the parts in split order (deterministic) and runs the epilogue. A warp's values
+    are the same (row, column) set in every part, so warps need not wait for each other."""
     threads = 384
 
-    def __init__(self, tile_n: int = 128):
+    def __init__(self, tile_n: int = 128, split_k: bool = False):
         if tile_n not in TILE_NS:
             raise ValueError(f"tile N must be one of {TILE_NS} (a tile lies in one 128-wide weight block)")
         self.tile_m, self.tile_n, self.tile_k = 128, tile_n, 128
+        self.split_k = split_k
         stage_bytes = (self.tile_m + self.tile_n) * self.tile_k
         self.stages = min(8, (SMEM_BYTES - 2048) // stage_bytes)
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, sa_ptr: cute.Pointer, sb_ptr: cute.Pointer,
-                 y_ptr: cute.Pointer, m: Int32, n: Int32, k: Int32, stream):
+                 y_ptr: cute.Pointer, ws_ptr: cute.Pointer, ticket_ptr: cute.Pointer, m: Int32, n: Int32,
+                 k: Int32, n_split: Int32, stream):
         kb = k // 128
         mA = cute.make_tensor(x_ptr, cute.make_layout((m, k), stride=(k, 1)))
         mB = cute.make_tensor(w_ptr, cute.make_layout((n, k), stride=(k, 1)))
         mSA = cute.make_tensor(sa_ptr, cute.make_layout((kb, m), stride=(m, 1)))
         mSB = cute.make_tensor(sb_ptr, cute.make_layout((n // 128, kb), stride=(kb, 1)))
         mY = cute.make_tensor(y_ptr, cute.make_layout((m, n // 2), stride=(n // 2, 1)))
+        mWs = cute.make_tensor(ws_ptr, cute.make_layout(n_split * m * n))
+        mTicket = cute.make_tensor(ticket_ptr, cute.make_layout(cute.ceil_div(m, self.tile_m) * (n // self.tile_n) * 8))
 
         tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout = self.tma_operands(Float8E4M3FN, mA, mB)
-        # grid: x over N tiles (consecutive CTAs share the activation tile), y over M tiles
-        self.kernel(tma_a, mA_tma, tma_b, mB_tma, mSA, mSB, mY, tiled_mma, sA_layout, sB_layout, m, n, k).launch(
-            grid=[n // self.tile_n, cute.ceil_div(m, self.tile_m), 1], block=[self.threads, 1, 1],
+        # grid: x over N tiles (consecutive CTAs share the activation tile), y over M tiles, z over K parts
+        self.kernel(tma_a, mA_tma, tma_b, mB_tma, mSA, mSB, mY, mWs, mTicket, tiled_mma, sA_layout, sB_layout,
+                    m, n, k, n_split).launch(
+            grid=[n // self.tile_n, cute.ceil_div(m, self.tile_m), n_split], block=[self.threads, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               mSA: cute.Tensor, mSB: cute.Tensor, mY: cute.Tensor, tiled_mma: cute.TiledMma,
-               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, m: Int32, n: Int32, k: Int32):
+               mSA: cute.Tensor, mSB: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor, mTicket: cute.Tensor,
+               tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, m: Int32,
+               n: Int32, k: Int32, n_split: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
+        bx, by, bz = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        k_tiles = k // self.tile_k
+        k_tiles, k_first = k // self.tile_k, 0
+        if cutlass.const_expr(self.split_k):
+            k_tiles = k_tiles // n_split
+            k_first = bz * k_tiles
         pipe, sA, sB, loads = self.operand_pipeline(tma_a, mA, tma_b, mB, sA_layout, sB_layout, bx, by)
 
         if warp < 4:
-            self.producer_warpgroup(pipe, loads, k_tiles, warp, lane)
+            self.producer_warpgroup(pipe, loads, k_tiles, warp, lane, k_first)
         else:
             cute.arch.setmaxregister_increase(232)
             tCrA, tCrB, tCcC, acc = self.consumer_operands(tiled_mma, sA, sB, tidx)
@@ -176,18 +189,18 @@ class Fp8BlockGemm(TmaOperandsAB):
             # loaded at the promotion, their global-load latency stalled every k-step (the tensor cores idle).
             rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             rl = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            lo0, hi0 = self.scales(mSA, mSB, bx, 0, row_lo, row_hi)
+            lo0, hi0 = self.scales(mSA, mSB, bx, k_first, row_lo, row_hi)
             self.issue(tiled_mma, tCrA, tCrB, tmp0, pipe, rd)
             rd.advance()
             for kp in cutlass.range((k_tiles - 1) // 2, unroll=1):
-                lo1, hi1 = self.scales(mSA, mSB, bx, 2 * kp + 1, row_lo, row_hi)
+                lo1, hi1 = self.scales(mSA, mSB, bx, k_first + 2 * kp + 1, row_lo, row_hi)
                 self.issue(tiled_mma, tCrA, tCrB, tmp1, pipe, rd)            # tile 2kp + 1
                 rd.advance()
                 warpgroup.wait_group(1)                                     # tile 2kp is done
                 pipe.consumer_release(rl)
                 rl.advance()
                 self.promote(acc, tmp0, lo0, hi0)
-                lo0, hi0 = self.scales(mSA, mSB, bx, 2 * kp + 2, row_lo, row_hi)
+                lo0, hi0 = self.scales(mSA, mSB, bx, k_first + 2 * kp + 2, row_lo, row_hi)
                 self.issue(tiled_mma, tCrA, tCrB, tmp0, pipe, rd)            # tile 2kp + 2
                 rd.advance()
                 warpgroup.wait_group(1)
@@ -198,7 +211,7 @@ class Fp8BlockGemm(TmaOperandsAB):
             rl_next = rl.clone()
             rl_next.advance()
             if k_tiles % 2 == 0:                                            # one more tile, into tmp1
-                lo1, hi1 = self.scales(mSA, mSB, bx, last + 1, row_lo, row_hi)
+                lo1, hi1 = self.scales(mSA, mSB, bx, k_first + last + 1, row_lo, row_hi)
                 self.issue(tiled_mma, tCrA, tCrB, tmp1, pipe, rd)
                 warpgroup.wait_group(1)
                 pipe.consumer_release(rl)
@@ -211,8 +224,52 @@ class Fp8BlockGemm(TmaOperandsAB):
                 pipe.consumer_release(rl)
                 self.promote(acc, tmp0, lo0, hi0)
 
-            self.store(acc, tCcC, mY, bx, by, m, n, lane)
+            if cutlass.const_expr(self.split_k):
+                if self.sum_splits(acc, tCcC, mWs, mTicket, bx, by, bz, m, n, n_split, warp, lane):
+                    self.store(acc, tCcC, mY, bx, by, m, n, lane)
+            else:
+                self.store(acc, tCcC, mY, bx, by, m, n, lane)
 
+    @cute.jit
+    def sum_splits(self, acc: cute.Tensor, tCcC: cute.Tensor, mWs: cute.Tensor, mTicket: cute.Tensor, bx: Int32,
+                   by: Int32, bz: Int32, m: Int32, n: Int32, n_split: Int32, warp: Int32, lane: Int32):
+        """Split-K: this part's acc into the workspace; in the warp that finishes the last part, acc becomes the
+        sum of all parts in split order. Returns whether this warp holds the sum (uniform across the warp).
+        Values are written and read in (row, 2 columns) pairs: value 4j + 2h + e is row r + 8h, column
+        8j + 2q + e."""
+        part = m * n
+        for p in cutlass.range_constexpr(cute.size(acc) // 2):
+            r, c = tCcC[2 * p]
+            row = by * self.tile_m + r
+            if row < m:
+                pair = cute.make_rmem_tensor(2, Float32)
+                pair[0] = acc[2 * p]
+                pair[1] = acc[2 * p + 1]
+                off = cute.assume(bz * part + row * n + bx * self.tile_n + c, divby=2)
+                cute.autovec_copy(pair, cute.make_tensor(mWs.iterator + off, cute.make_layout(2)))
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        done = Int32(0)
+        if lane == 0:
+            ticket = (by * (n // self.tile_n) + bx) * 8 + (warp - 4)
+            done = cute.arch.atomic_add(mTicket.iterator + ticket, Int32(1), sem="acq_rel", scope="gpu")
+            if done == n_split - 1:
+                mTicket[ticket] = Int32(0)                  # ready for the next launch
+        last = cute.arch.shuffle_sync(done, 0) == n_split - 1
+        if last:
+            cute.arch.fence_acq_rel_gpu()
+            acc.fill(0.0)
+            # parts outermost, a thread's pairs within each: their loads are in flight together
+            for z in cutlass.range(n_split, unroll=2):
+                for p in cutlass.range_constexpr(cute.size(acc) // 2):
+                    r, c = tCcC[2 * p]
+                    row = by * self.tile_m + r
+                    if row < m:
+                        off = z * part + row * n + bx * self.tile_n + c
+                        v0, v1 = ld_cg_f32x2((mWs.iterator + off).toint())
+                        acc[2 * p] = acc[2 * p] + v0
+                        acc[2 * p + 1] = acc[2 * p + 1] + v1
+        return last
 
     @cute.jit
     def store(self, acc: cute.Tensor, tCcC: cute.Tensor, mY: cute.Tensor, bx: Int32, by: Int32, m: Int32,
@@ -281,14 +338,18 @@ class Fp8BlockGemm(TmaOperandsAB):
             acc[i4 * 4 + 3] = acc[i4 * 4 + 3] + tmp[i4 * 4 + 3] * s_hi
 
 
-def _build_gemm(tile_n: int = 128):
-    return Fp8BlockGemm(tile_n), (fake_ptr(Float8E4M3FN), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4),
-                            fake_ptr(Float32, 4), fake_ptr(Uint32), Int32(256), Int32(1536), Int32(7168),
-                            fake_stream())
+def _build_gemm(tile_n: int = 128, split_k: bool = False):
+    return Fp8BlockGemm(tile_n, split_k), (fake_ptr(Float8E4M3FN), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4),
+                                     fake_ptr(Float32, 4), fake_ptr(Uint32), fake_ptr(Float32),
+                                     fake_ptr(Int32, 4), Int32(256), Int32(1536), Int32(7168), Int32(2),
+                                     fake_stream())
 
 
-register(KernelDef("fp8_block_gemm", "linear", SM90, _build_gemm, configs=tuple({"tile_n": t} for t in TILE_NS),
-                   doc="e4m3 x e4m3 WGMMA with 1x128 activation / 128x128 weight block scales, bf16 out"))
+register(KernelDef("fp8_block_gemm", "linear", SM90, _build_gemm,
+                   configs=tuple({"tile_n": t, "split_k": s} for t in TILE_NS for s in (False, True)),
+                   ci_configs=({"tile_n": 128, "split_k": False}, {"tile_n": 128, "split_k": True}),
+                   doc="e4m3 x e4m3 WGMMA with 1x128 activation / 128x128 weight block scales, bf16 out, "
+                       "optionally split-K"))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -329,12 +390,34 @@ def pick_tile_n(m: int, n: int, sms: int) -> int:
     return 64 if 0.5 * waves64 / TILE64_RATE < waves128 else 128
 
 
-def fp8_gemm(xq, sa, w, sb, out=None, tile_n: int | None = None):
-    """xq e4m3 [M, K], sa fp32 [K/128, M], w e4m3 [N, K], sb fp32 [N/128, K/128] -> bf16 [M, N]; tile_n: 64 or
-    128 (default: pick_tile_n)."""
+def pick_config(m: int, n: int, k: int, sms: int, tile_n: int | None = None) -> tuple[int, int]:
+    """(tile_n, split). Above SPLIT_MAX_M rows K is not split: there the GEMM is bound by the operand traffic
+    from L2 (~6 TB/s on the H200 at every large shape), so splitting the 1.45 waves of Pro wq_a at M = 2048
+    into 2.9 half-length ones gained nothing (69.3 -> 68.8 us), nor 64 wkv tiles into 128 (64-wide tiles were
+    as fast or faster). In decode, one row of tiles leaves most SMs idle and each CTA's long K loop bounds the
+    time: the (width, split) with the least estimated time in whole waves, a CTA costing its k-tiles plus
+    CTA_FIXED_KTILES plus SPLIT_PART_KTILES a part (Pro wq_a at M = 16: 31 us unsplit, 12.8 us in 8 parts)."""
+    if m > SPLIT_MAX_M:
+        return tile_n or pick_tile_n(m, n, sms), 1
+    k_tiles, best = k // 128, None
+    for t in (tile_n,) if tile_n else TILE_NS:
+        width = t / 128 / (1.0 if t == 128 else TILE64_RATE)
+        for split in range(1, min(MAX_SPLIT, k_tiles) + 1):
+            if k_tiles % split == 0:
+                ctas = -(-m // 128) * (n // t) * split
+                part = SPLIT_PART_KTILES * split if split > 1 else 0
+                est = -(-ctas // sms) * width * (k_tiles // split + CTA_FIXED_KTILES + part)
+                if best is None or est < best[0]:
+                    best = (est, t, split)
+    return best[1], best[2]
+
+
+def fp8_gemm(xq, sa, w, sb, out=None, tile_n: int | None = None, split: int | None = None):
+    """xq e4m3 [M, K], sa fp32 [K/128, M], w e4m3 [N, K], sb fp32 [N/128, K/128] -> bf16 [M, N]. tile_n: 64 or
+    128, split: K parts (a divisor of K / 128); pick_config chooses what is not given."""
     import torch
 
-    from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr, sm_count
+    from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr, scratch, sm_count
     m, k = xq.shape
     n = w.shape[0]
     if w.shape[1] != k or n % 128 or k % 128:
@@ -346,18 +429,31 @@ def fp8_gemm(xq, sa, w, sb, out=None, tile_n: int | None = None):
         out = torch.empty(m, n, dtype=torch.bfloat16, device=xq.device)
     elif out.dtype != torch.bfloat16 or out.shape != (m, n) or not out.is_contiguous():
         raise ValueError(f"fp8 GEMM writes a contiguous bf16 [{m}, {n}], not {out.dtype} {tuple(out.shape)}")
-    if m:
-        tile_n = tile_n or pick_tile_n(m, n, sm_count(xq.device))
-        fn = compile_kernel("fp8_block_gemm", device_arch(xq.device), tile_n=tile_n)
-        fn(ptr(xq), ptr(w), ptr(sa, align=4), ptr(sb, align=4), ptr(out, Uint32), Int32(m), Int32(n), Int32(k),
-           current_stream())
+    if not m:
+        return out
+    if tile_n is None or split is None:
+        picked_n, picked_split = pick_config(m, n, k, sm_count(xq.device), tile_n)
+        tile_n, split = tile_n or picked_n, split or picked_split
+    if split < 1 or (k // 128) % split or split * m * n >= 2 ** 31:
+        raise ValueError(f"fp8 GEMM cannot split K = {k} into {split} parts of whole 128-wide blocks "
+                         f"(or the [{split}, {m}, {n}] fp32 partials exceed 32-bit offsets)")
+    if split > 1:
+        ws = scratch(("fp8_ws", xq.device, split, m, n),
+                     lambda: torch.empty(split * m * n, dtype=torch.float32, device=xq.device))
+        tickets = scratch(("fp8_tickets", xq.device, -(-m // 128), n // tile_n),
+                          lambda: torch.zeros(-(-m // 128) * (n // tile_n) * 8, dtype=torch.int32, device=xq.device))
+    else:
+        ws, tickets = sa, sa                                # not read without split-K
+    fn = compile_kernel("fp8_block_gemm", device_arch(xq.device), tile_n=tile_n, split_k=split > 1)
+    fn(ptr(xq), ptr(w), ptr(sa, align=4), ptr(sb, align=4), ptr(out, Uint32), ptr(ws, Float32, align=4),
+       ptr(tickets, Int32, align=4), Int32(m), Int32(n), Int32(k), Int32(split), current_stream())
     return out
 
 
-def fp8_linear(x, w, sb, out=None, tile_n: int | None = None):
+def fp8_linear(x, w, sb, out=None, tile_n: int | None = None, split: int | None = None):
     """x bf16 [..., K] @ (w e4m3 [N, K] with fp32 block scales sb [N/128, K/128])^T -> bf16 [..., N]:
     activations quantised per 1 x 128 (the official act_quant), fp32 accumulation with per-block promotion."""
     shape = x.shape
     xq, sa = fp8_act_quant(x.reshape(-1, shape[-1]).contiguous())
-    y = fp8_gemm(xq, sa, w.contiguous(), sb, out, tile_n)
+    y = fp8_gemm(xq, sa, w.contiguous(), sb, out, tile_n, split)
     return y.view(*shape[:-1], w.shape[0])

@@ -38,7 +38,17 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr, 
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.experimental import primitives as prims
 
-from ._common import KernelDef, fake_ptr, fake_stream, register, sm_count
+from ._common import (
+    KernelDef,
+    fake_ptr,
+    fake_stream,
+    fmax_nan,
+    fmin_nan,
+    ld_cg_f32,
+    register,
+    scratch,
+    sm_count,
+)
 from ._tma_gemm import tma_pipeline
 
 SM90 = ("sm_90a",)
@@ -60,22 +70,6 @@ def bf16x2_mul(a: Uint32, b: Uint32) -> Uint32:
 def prmt(a: Uint32, b: Uint32, sel: int) -> Uint32:
     return cute.arch.inline_ptx(f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {sel:#x};", write_only_types=[Uint32],
                                 read_only_args=[a, b])
-
-
-def fmin_nan(a: Float32, b: Float32) -> Float32:
-    return cute.arch.inline_ptx("min.NaN.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
-                                read_only_args=[a, b])
-
-
-def fmax_nan(a: Float32, b: Float32) -> Float32:
-    return cute.arch.inline_ptx("max.NaN.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
-                                read_only_args=[a, b])
-
-
-def ld_cg_f32(addr: Int64) -> Float32:
-    """L2-coherent load (the split-K partials written by other CTAs; never served from a stale L1 line)."""
-    return cute.arch.inline_ptx("ld.global.cg.f32 {$w0}, [{$r0}];", write_only_types=[Float32],
-                                read_only_args=[addr])
 
 
 def decode_word(w: Uint32, s_r: Uint32, s_r8: Uint32):
@@ -445,16 +439,6 @@ register(KernelDef(
 # Torch launchers
 # --------------------------------------------------------------------------------------------------------
 
-_WS: dict = {}
-
-
-def _buffers(key, make):
-    buf = _WS.get(key)
-    if buf is None:
-        buf = _WS[key] = make()
-    return buf
-
-
 def pick_dense_config(m: int, n: int, k: int, sms: int) -> dict:
     """Kernel configuration for a dense W4A16 GEMM of m tokens (decode: split-K; prefill: wide token tiles).
     Decode splits K into the most parts that keep one wave of CTAs on `sms` SMs (one CTA fits an SM) and >= 4
@@ -505,9 +489,9 @@ def w4a16_launch(x, pack, n: int, *, out=None, route_w=None, units=None, unit_co
     cfg = {"n_tok": n_tok, "t_max": t_max, "grouped": grouped, "epilogue": epilogue, "split_k": split_k, "tile_k": tile_k}
     fn = compile_kernel("w4a16_gemm", device_arch(x.device), **cfg)
     if split_k:
-        ws = _buffers(("ws", x.device, rows, n, split),
+        ws = scratch(("w4_ws", x.device, rows, n, split),
                       lambda: torch.empty(split, rows, n, dtype=torch.float32, device=x.device))
-        tickets = _buffers(("tk", x.device, n_units, n),
+        tickets = scratch(("w4_tickets", x.device, n_units, n),
                            lambda: torch.zeros(n_units * (n // 128), dtype=torch.int32, device=x.device))
     else:
         ws, tickets = gscale, units

@@ -23,6 +23,27 @@ def test_fp8_linear_within_sim_error(gen, m):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("tile_n", [128, 64])
+def test_fp8_split_k_is_deterministic_and_reusable(gen, tile_n):
+    """Split-K GEMMs: the same bits on every call (parts summed in split order; the tickets reset for the next
+    launch), rows past M untouched, and within fp32 summation error of the unsplit GEMM."""
+    from dsv4_kernels import check_gemm as C
+    from dsv4_kernels import gemm_fp8 as K
+    q, s, _ = C.rand_fp8_weight(512, 2048, gen)
+    sb = K.weight_scales(s)
+    xq, sa = K.fp8_act_quant(C._randn((77, 2048), gen))
+    whole = K.fp8_gemm(xq, sa, q, sb, tile_n=tile_n, split=1)
+    for split in (2, 4, 16):
+        a = K.fp8_gemm(xq, sa, q, sb, tile_n=tile_n, split=split)
+        b = K.fp8_gemm(xq, sa, q, sb, tile_n=tile_n, split=split)
+        assert torch.equal(a, b), split
+        assert (a.float() - whole.float()).abs().max() <= 2 ** -7 * whole.float().abs().max(), split
+    big = torch.full((78, 512), 7.0, dtype=torch.bfloat16, device="cuda")
+    K.fp8_gemm(xq, sa, q, sb, out=big[:77], tile_n=tile_n, split=4)
+    assert torch.equal(big[:77], K.fp8_gemm(xq, sa, q, sb, tile_n=tile_n, split=4))
+    assert bool((big[77] == 7.0).all())
+
+
 def test_w4a16_linear_and_fused_swiglu(gen):
     from dsv4_kernels import check_gemm as C
     rows = C.check_w4("flash", ms=(1, 16, 130), gen=gen, log=lambda s: None)
