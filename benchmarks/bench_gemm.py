@@ -83,6 +83,7 @@ def phase_smoke() -> dict:
     t0 = time.perf_counter()
     for name, kern, cfg in (("fp8_act_quant", "fp8_act_quant", {}), ("fp8_block_gemm", "fp8_block_gemm", {}),
                             ("fp8_split", "fp8_block_gemm", {"split_k": True}),
+                            ("fp8_cluster", "fp8_block_gemm", {"cluster_n": 2}),
                             ("w4_decode", "w4a16_gemm", {"n_tok": 16}),
                             ("w4_split", "w4a16_gemm", {"n_tok": 16, "split_k": True}),
                             ("w4_wide", "w4a16_gemm", {"n_tok": 128, "t_max": 2})):

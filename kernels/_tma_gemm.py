@@ -13,21 +13,32 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 CONSUMER_WARPS = 8          # two warpgroups
 
 
-def tma_pipeline(barriers, stages: int, tx_bytes: int):
-    """The TMA -> consumers pipeline over `stages` buffers: one producer thread, the consumer warps' threads."""
+def tma_pipeline(barriers, stages: int, tx_bytes: int, cluster_n: int = 1):
+    """The TMA -> consumers pipeline over `stages` buffers: one producer thread, the consumer warps' threads.
+    In a cluster of cluster_n CTAs along N, a stage is free once every CTA's consumers are done with it (each
+    CTA's A loads land in all of them), so each consumer warp releases it in every CTA of the cluster."""
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barriers.data_ptr(), num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WARPS),
-        tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WARPS * cluster_n),
+        tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, cluster_n, 1)))
 
 
 class TmaOperandsAB:
-    """Host side and kernel prologue of a GEMM whose A and B both stream through TMA (see the module doc)."""
+    """Host side and kernel prologue of a GEMM whose A and B both stream through TMA (see the module doc).
+    cluster_n > 1: the grid's CTAs form clusters of cluster_n along N (grid x), which share their A tile: each
+    CTA loads 1 / cluster_n of it and multicasts that part to all of them, cutting the A traffic from L2 by
+    cluster_n (the large FP8 GEMMs are bound by that traffic). Launch with `cluster=self.cluster` and end the
+    kernel with `leave_cluster` in every thread."""
     tile_m: int
     tile_n: int
     tile_k: int
     stages: int
+    cluster_n: int = 1
+
+    @property
+    def cluster(self) -> list[int]:
+        return [self.cluster_n, 1, 1]
 
     def tma_operands(self, dtype, mA: cute.Tensor, mB: cute.Tensor):
         """(tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout) for operands of `dtype` with fp32
@@ -36,9 +47,9 @@ class TmaOperandsAB:
             sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dtype, self.tile_k), dtype)
         sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
         sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
-        tma_a, mA_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
-                                                    cute.slice_(sA_layout, (None, None, 0)),
-                                                    (self.tile_m, self.tile_k))
+        a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp()
+        tma_a, mA_tma = cpasync.make_tiled_tma_atom(a_op, mA, cute.slice_(sA_layout, (None, None, 0)),
+                                                    (self.tile_m, self.tile_k), num_multicast=self.cluster_n)
         tma_b, mB_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
                                                     cute.slice_(sB_layout, (None, None, 0)),
                                                     (self.tile_n, self.tile_k))
@@ -63,14 +74,22 @@ class TmaOperandsAB:
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
         sA = st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        pipe = tma_pipeline(st.bars, self.stages, self.tx_bytes)
+        pipe = tma_pipeline(st.bars, self.stages, self.tx_bytes, self.cluster_n)
         gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (by, None))
         gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (bx, None))
-        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                                           cute.group_modes(gA, 0, 2))
+        a_mask = None
+        if cutlass.const_expr(self.cluster_n > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            ctas = cute.make_layout((1, self.cluster_n, 1))           # (M, N, K) of the cluster
+            a_mask = cute.make_layout_image_mask(ctas, ctas.get_flat_coord(rank), mode=1)
+            tAsA, tAgA = cpasync.tma_partition(tma_a, rank, cute.make_layout(self.cluster_n),
+                                               cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        else:
+            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                               cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
                                            cute.group_modes(gB, 0, 2))
-        return pipe, sA, sB, (tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
+        return pipe, sA, sB, (tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB)
 
     def consumer_operands(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor, tidx):
         """In a consumer warpgroup: (tCrA, tCrB, tCc, acc), its WGMMA fragments of the A and B stages, the
@@ -94,7 +113,7 @@ class TmaOperandsAB:
     def produce(self, pipe, loads, k_tiles, lane, k_first=0):
         """The producer warp: both operands' k-tiles k_first .. k_first + k_tiles - 1 into the pipeline's
         stages, in order (k_first: a split-K part's first tile)."""
-        tma_a, tAgA, tAsA, tma_b, tBgB, tBsB = loads
+        tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB = loads
         if lane == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
@@ -102,8 +121,20 @@ class TmaOperandsAB:
         for kt in cutlass.range(k_tiles, unroll=1):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
-            cute.copy(tma_a, tAgA[(None, k_first + kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            if cutlass.const_expr(self.cluster_n > 1):
+                cute.copy(tma_a, tAgA[(None, k_first + kt)], tAsA[(None, state.index)], tma_bar_ptr=bar,
+                          mcast_mask=a_mask)
+            else:
+                cute.copy(tma_a, tAgA[(None, k_first + kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
             cute.copy(tma_b, tBgB[(None, k_first + kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
             pipe.producer_commit(state)
             state.advance()
         pipe.producer_tail(state)
+
+    @cute.jit
+    def leave_cluster(self):
+        """Every thread, last: no CTA of a cluster exits while another may still write its shared memory or
+        arrive on its barriers."""
+        if cutlass.const_expr(self.cluster_n > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()

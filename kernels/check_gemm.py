@@ -83,17 +83,14 @@ def rand_pack_fast(E: int, n: int, k: int, gen):
 # FP8 linear
 # --------------------------------------------------------------------------------------------------------
 
-def fp8_configs(m: int, n: int, k: int) -> list[tuple[int, int]]:
-    """(tile_n, split) configurations a row checks and times: each tile width unsplit, K in two parts, and
-    what pick_config chooses for the shape (first if it is not among them)."""
+def fp8_configs(m: int, n: int, k: int) -> list:
+    """The configurations a row checks and times: each tile width whole, K in two parts, A shared by clusters
+    of two along N, and what pick_config chooses (first)."""
     from . import gemm_fp8 as K
     picked = K.pick_config(m, n, k, sm_count("cuda"))
-    cands = [(t, 1) for t in K.TILE_NS] + ([(128, 2)] if (k // 128) % 2 == 0 else [])
-    return cands if picked in cands else [picked] + cands
-
-
-def _cfg(c: tuple[int, int]) -> str:
-    return f"n{c[0]}" + (f"/k{c[1]}" if c[1] > 1 else "")
+    cands = [K.Fp8Config(t) for t in K.TILE_NS] + [K.Fp8Config(t, 1, 2) for t in K.TILE_NS]
+    cands += [K.Fp8Config(128, 2)] if (k // 128) % 2 == 0 else []
+    return [picked] + [c for c in cands if c != picked]
 
 
 def check_fp8(preset: str, ms=(16, 4096), gen=None, do_bench=False, log=print) -> list[Row]:
@@ -112,14 +109,14 @@ def check_fp8(preset: str, ms=(16, 4096), gen=None, do_bench=False, log=print) -
             simv = F.linear(sim_quant(x), wb)
             e_s = rel_l2(simv, want)
             # every tile width, split-K and the picked configuration, each within the bar
-            got = {c: K.fp8_linear(x, q, sb, tile_n=c[0], split=c[1]) for c in fp8_configs(m, n, k)}
+            got = {c: K.fp8_linear(x, q, sb, config=c) for c in fp8_configs(m, n, k)}
             e_k = {c: rel_l2(y, want) for c, y in got.items()}
             c_sim = {c: compare(y.float(), simv.float())["cos"] for c, y in got.items()}
             worst = max(got, key=lambda c: e_k[c])
             m_ref = compare(got[worst].float(), want.float())
             ok = (all(int(y.isnan().sum()) == 0 for y in got.values()) and max(e_k.values()) <= 1.1 * e_s + 1e-6
                   and min(c_sim.values()) >= 0.9999)
-            tiles = ", ".join(f"{_cfg(c)} {e_k[c]:.3e} cos(sim) {c_sim[c]:.7f}" for c in got)
+            tiles = ", ".join(f"{c} {e_k[c]:.3e} cos(sim) {c_sim[c]:.7f}" for c in got)
             rows.append(Row("linear", f"fp8 {name} M={m}", f"[{m}, {k}] x [{n}, {k}]",
                             "rel_l2(fp64 ref) <= 1.1 x sim's, cos(sim) >= 0.9999", ok, m_ref["cos"],
                             m_ref["max_err"], None, m_ref["nan"],
@@ -300,8 +297,8 @@ def _bench_fp8_shape(preset, name, n, k, ms, gen, log) -> list[dict]:
         y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         t_cub = _t(lambda i, x=x: torch.mm(x, wbs[i].T), ns_b)
         # every configuration of fp8_configs timed side by side; the row's time is the one pick_config chooses
-        by_cfg = {c: (_t(lambda i, x=x, c=c: K.fp8_linear(x, qs[i], sb, tile_n=c[0], split=c[1]), ns_k),
-                      _t(lambda i, xq=xq, sa=sa, y=y, c=c: K.fp8_gemm(xq, sa, qs[i], sb, y, c[0], c[1]), ns_k))
+        by_cfg = {c: (_t(lambda i, x=x, c=c: K.fp8_linear(x, qs[i], sb, config=c), ns_k),
+                      _t(lambda i, xq=xq, sa=sa, y=y, c=c: K.fp8_gemm(xq, sa, qs[i], sb, y, c), ns_k))
                   for c in fp8_configs(m, n, k)}
         picked = K.pick_config(m, n, k, sm_count(x.device))
         t_full, t_gemm = by_cfg[picked]
@@ -309,12 +306,12 @@ def _bench_fp8_shape(preset, name, n, k, ms, gen, log) -> list[dict]:
         # speedup_shared_quant: the GEMM alone, as a linear whose x another linear quantised (wq_a and wkv)
         r = {"kind": "fp8_linear", "preset": preset, "name": name, "m": m, "n": n, "k": k, "us": t_full,
              "gemm_us": t_gemm, "cublas_bf16_us": t_cub, "speedup": t_cub / t_full,
-             "speedup_shared_quant": t_cub / t_gemm, "tile_n": picked[0], "split": picked[1],
-             "by_config": {_cfg(c): {"us": a, "gemm_us": b} for c, (a, b) in by_cfg.items()},
+             "speedup_shared_quant": t_cub / t_gemm, "config": str(picked),
+             "by_config": {str(c): {"us": a, "gemm_us": b} for c, (a, b) in by_cfg.items()},
              "tflops": flops / t_full / 1e6, "cublas_tflops": flops / t_cub / 1e6}
         out.append(r)
-        tiles = " ".join(f"{_cfg(c)} {a:.1f}/{b:.1f}" for c, (a, b) in by_cfg.items())
-        log(f"  fp8 {preset} {name:10s} M={m:5d}: {t_full:9.1f} us (gemm {t_gemm:9.1f}, {_cfg(picked)}) cuBLAS bf16 "
+        tiles = " ".join(f"{c} {a:.1f}/{b:.1f}" for c, (a, b) in by_cfg.items())
+        log(f"  fp8 {preset} {name:10s} M={m:5d}: {t_full:9.1f} us (gemm {t_gemm:9.1f}, {picked}) cuBLAS bf16 "
             f"{t_cub:9.1f} us  x{r['speedup']:.2f} (shared quant x{r['speedup_shared_quant']:.2f})  "
             f"{r['tflops']:.0f} TFLOP/s  [{tiles}]")
     return out

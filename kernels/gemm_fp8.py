@@ -16,6 +16,8 @@ y[m, n] = sum_kb sa[kb, m] * sb[n / 128, kb] * sum_{k in block kb} xq[m, k] * wq
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, cute, pipeline
 from cutlass.cute.nvgpu import warpgroup
@@ -26,6 +28,8 @@ from ._tma_gemm import TmaOperandsAB
 SM90 = ("sm_90a",)
 SMEM_BYTES = 227 * 1024
 TILE_NS = (128, 64)         # 64-wide tiles double the CTAs of narrow N (wkv's N = 512: 64 CTAs at M = 2048)
+CLUSTER_NS = (1, 2)         # CTAs along N sharing (multicasting) their A tile
+CLUSTER_N = 2               # above SPLIT_MAX_M rows
 TILE64_RATE = 0.6           # a 64-wide tile's speed over a 128-wide one's in full waves (H200: 0.60-0.66)
 MAX_SPLIT = 16              # split-K parts
 SPLIT_MAX_M = 256           # split K only for one or two rows of tiles (decode, small batches)
@@ -127,11 +131,13 @@ class Fp8BlockGemm(TmaOperandsAB):
     are the same (row, column) set in every part, so warps need not wait for each other."""
     threads = 384
 
-    def __init__(self, tile_n: int = 128, split_k: bool = False):
+    def __init__(self, tile_n: int = 128, split_k: bool = False, cluster_n: int = 1):
         if tile_n not in TILE_NS:
             raise ValueError(f"tile N must be one of {TILE_NS} (a tile lies in one 128-wide weight block)")
+        if cluster_n not in CLUSTER_NS:
+            raise ValueError(f"cluster along N must be one of {CLUSTER_NS}")
         self.tile_m, self.tile_n, self.tile_k = 128, tile_n, 128
-        self.split_k = split_k
+        self.split_k, self.cluster_n = split_k, cluster_n
         stage_bytes = (self.tile_m + self.tile_n) * self.tile_k
         self.stages = min(8, (SMEM_BYTES - 2048) // stage_bytes)
 
@@ -153,7 +159,7 @@ class Fp8BlockGemm(TmaOperandsAB):
         self.kernel(tma_a, mA_tma, tma_b, mB_tma, mSA, mSB, mY, mWs, mTicket, tiled_mma, sA_layout, sB_layout,
                     m, n, k, n_split).launch(
             grid=[n // self.tile_n, cute.ceil_div(m, self.tile_m), n_split], block=[self.threads, 1, 1],
-            min_blocks_per_mp=1, stream=stream)
+            cluster=self.cluster, min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
@@ -229,6 +235,7 @@ class Fp8BlockGemm(TmaOperandsAB):
                     self.store(acc, tCcC, mY, bx, by, m, n, lane)
             else:
                 self.store(acc, tCcC, mY, bx, by, m, n, lane)
+        self.leave_cluster()
 
     @cute.jit
     def sum_splits(self, acc: cute.Tensor, tCcC: cute.Tensor, mWs: cute.Tensor, mTicket: cute.Tensor, bx: Int32,
@@ -338,16 +345,18 @@ class Fp8BlockGemm(TmaOperandsAB):
             acc[i4 * 4 + 3] = acc[i4 * 4 + 3] + tmp[i4 * 4 + 3] * s_hi
 
 
-def _build_gemm(tile_n: int = 128, split_k: bool = False):
-    return Fp8BlockGemm(tile_n, split_k), (fake_ptr(Float8E4M3FN), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4),
-                                     fake_ptr(Float32, 4), fake_ptr(Uint32), fake_ptr(Float32),
-                                     fake_ptr(Int32, 4), Int32(256), Int32(1536), Int32(7168), Int32(2),
-                                     fake_stream())
+def _build_gemm(tile_n: int = 128, split_k: bool = False, cluster_n: int = 1):
+    args = (fake_ptr(Float8E4M3FN), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4), fake_ptr(Float32, 4),
+            fake_ptr(Uint32), fake_ptr(Float32), fake_ptr(Int32, 4), Int32(256), Int32(1536), Int32(7168), Int32(2),
+            fake_stream())
+    return Fp8BlockGemm(tile_n, split_k, cluster_n), args
 
 
 register(KernelDef("fp8_block_gemm", "linear", SM90, _build_gemm,
-                   configs=tuple({"tile_n": t, "split_k": s} for t in TILE_NS for s in (False, True)),
-                   ci_configs=({"tile_n": 128, "split_k": False}, {"tile_n": 128, "split_k": True}),
+                   configs=tuple({"tile_n": t, "split_k": s, "cluster_n": c} for t in TILE_NS for s in (False, True)
+                                 for c in CLUSTER_NS),
+                   ci_configs=({"tile_n": 128, "split_k": False, "cluster_n": 2},
+                               {"tile_n": 128, "split_k": True, "cluster_n": 1}),
                    doc="e4m3 x e4m3 WGMMA with 1x128 activation / 128x128 weight block scales, bf16 out, "
                        "optionally split-K"))
 
@@ -390,17 +399,30 @@ def pick_tile_n(m: int, n: int, sms: int) -> int:
     return 64 if 0.5 * waves64 / TILE64_RATE < waves128 else 128
 
 
-def pick_config(m: int, n: int, k: int, sms: int, tile_n: int | None = None) -> tuple[int, int]:
-    """(tile_n, split). Above SPLIT_MAX_M rows K is not split: there the GEMM is bound by the operand traffic
-    from L2 (~6 TB/s on the H200 at every large shape), so splitting the 1.45 waves of Pro wq_a at M = 2048
-    into 2.9 half-length ones gained nothing (69.3 -> 68.8 us), nor 64 wkv tiles into 128 (64-wide tiles were
-    as fast or faster). In decode, one row of tiles leaves most SMs idle and each CTA's long K loop bounds the
-    time: the (width, split) with the least estimated time in whole waves, a CTA costing its k-tiles plus
-    CTA_FIXED_KTILES plus SPLIT_PART_KTILES a part (Pro wq_a at M = 16: 31 us unsplit, 12.8 us in 8 parts)."""
+class Fp8Config(NamedTuple):
+    """How fp8_gemm runs a shape: tile width, K parts, CTAs along N that share their A tile."""
+    tile_n: int = 128
+    split: int = 1
+    cluster_n: int = 1
+
+    def __str__(self) -> str:
+        return f"n{self.tile_n}" + (f"/k{self.split}" if self.split > 1 else "") + (
+            f"/c{self.cluster_n}" if self.cluster_n > 1 else "")
+
+
+def pick_config(m: int, n: int, k: int, sms: int) -> Fp8Config:
+    """Above SPLIT_MAX_M rows: pick_tile_n's width, K whole (the GEMM is bound by the operand traffic from L2,
+    ~6 TB/s on the H200 at every large shape, so splitting the 1.45 waves of Pro wq_a at M = 2048 into 2.9
+    half-length ones gained nothing, 69.3 -> 68.8 us, nor 64 wkv tiles into 128: 64-wide tiles were as fast or
+    faster), and clusters of CLUSTER_N CTAs along N multicasting their A tile, which cuts that traffic.
+    In decode one row of tiles leaves most SMs idle and each CTA's long K loop bounds the time: the width and
+    split with the least estimated time in whole waves, a CTA costing its k-tiles plus CTA_FIXED_KTILES plus
+    SPLIT_PART_KTILES a part (Pro wq_a at M = 16: 31 us unsplit, 12.8 us in 8 parts)."""
     if m > SPLIT_MAX_M:
-        return tile_n or pick_tile_n(m, n, sms), 1
+        t = pick_tile_n(m, n, sms)
+        return Fp8Config(t, 1, CLUSTER_N if (n // t) % CLUSTER_N == 0 else 1)
     k_tiles, best = k // 128, None
-    for t in (tile_n,) if tile_n else TILE_NS:
+    for t in TILE_NS:
         width = t / 128 / (1.0 if t == 128 else TILE64_RATE)
         for split in range(1, min(MAX_SPLIT, k_tiles) + 1):
             if k_tiles % split == 0:
@@ -408,13 +430,13 @@ def pick_config(m: int, n: int, k: int, sms: int, tile_n: int | None = None) -> 
                 part = SPLIT_PART_KTILES * split if split > 1 else 0
                 est = -(-ctas // sms) * width * (k_tiles // split + CTA_FIXED_KTILES + part)
                 if best is None or est < best[0]:
-                    best = (est, t, split)
-    return best[1], best[2]
+                    best = (est, Fp8Config(t, split))
+    return best[1]
 
 
-def fp8_gemm(xq, sa, w, sb, out=None, tile_n: int | None = None, split: int | None = None):
-    """xq e4m3 [M, K], sa fp32 [K/128, M], w e4m3 [N, K], sb fp32 [N/128, K/128] -> bf16 [M, N]. tile_n: 64 or
-    128, split: K parts (a divisor of K / 128); pick_config chooses what is not given."""
+def fp8_gemm(xq, sa, w, sb, out=None, config: Fp8Config | None = None):
+    """xq e4m3 [M, K], sa fp32 [K/128, M], w e4m3 [N, K], sb fp32 [N/128, K/128] -> bf16 [M, N]; config:
+    pick_config's by default."""
     import torch
 
     from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr, scratch, sm_count
@@ -431,12 +453,12 @@ def fp8_gemm(xq, sa, w, sb, out=None, tile_n: int | None = None, split: int | No
         raise ValueError(f"fp8 GEMM writes a contiguous bf16 [{m}, {n}], not {out.dtype} {tuple(out.shape)}")
     if not m:
         return out
-    if tile_n is None or split is None:
-        picked_n, picked_split = pick_config(m, n, k, sm_count(xq.device), tile_n)
-        tile_n, split = tile_n or picked_n, split or picked_split
+    tile_n, split, cluster_n = config or pick_config(m, n, k, sm_count(xq.device))
     if split < 1 or (k // 128) % split or split * m * n >= 2 ** 31:
         raise ValueError(f"fp8 GEMM cannot split K = {k} into {split} parts of whole 128-wide blocks "
                          f"(or the [{split}, {m}, {n}] fp32 partials exceed 32-bit offsets)")
+    if (n // tile_n) % cluster_n:
+        raise ValueError(f"fp8 GEMM cannot group {n // tile_n} tiles along N in clusters of {cluster_n}")
     if split > 1:
         ws = scratch(("fp8_ws", xq.device, split, m, n),
                      lambda: torch.empty(split * m * n, dtype=torch.float32, device=xq.device))
@@ -444,16 +466,17 @@ def fp8_gemm(xq, sa, w, sb, out=None, tile_n: int | None = None, split: int | No
                           lambda: torch.zeros(-(-m // 128) * (n // tile_n) * 8, dtype=torch.int32, device=xq.device))
     else:
         ws, tickets = sa, sa                                # not read without split-K
-    fn = compile_kernel("fp8_block_gemm", device_arch(xq.device), tile_n=tile_n, split_k=split > 1)
+    fn = compile_kernel("fp8_block_gemm", device_arch(xq.device), tile_n=tile_n, split_k=split > 1,
+                        cluster_n=cluster_n)
     fn(ptr(xq), ptr(w), ptr(sa, align=4), ptr(sb, align=4), ptr(out, Uint32), ptr(ws, Float32, align=4),
        ptr(tickets, Int32, align=4), Int32(m), Int32(n), Int32(k), Int32(split), current_stream())
     return out
 
 
-def fp8_linear(x, w, sb, out=None, tile_n: int | None = None, split: int | None = None):
+def fp8_linear(x, w, sb, out=None, config: Fp8Config | None = None):
     """x bf16 [..., K] @ (w e4m3 [N, K] with fp32 block scales sb [N/128, K/128])^T -> bf16 [..., N]:
     activations quantised per 1 x 128 (the official act_quant), fp32 accumulation with per-block promotion."""
     shape = x.shape
     xq, sa = fp8_act_quant(x.reshape(-1, shape[-1]).contiguous())
-    y = fp8_gemm(xq, sa, w.contiguous(), sb, out, tile_n, split)
+    y = fp8_gemm(xq, sa, w.contiguous(), sb, out, config)
     return y.view(*shape[:-1], w.shape[0])

@@ -85,11 +85,23 @@ def test_ptx_fp8_split_k_writes_and_sums_pairs(tile_n, ptx_of):
     """Split-K: a thread's tile_n / 2 fp32 values go to the workspace as 8-byte pairs, one acq_rel ticket a warp,
     and the last warp's sum loads pairs of two parts at once (the loop over parts unrolled by 2)."""
     ptx = ptx_of(gemm_fp8._build_gemm, tile_n=tile_n, split_k=True)
+    assert "multicast" not in ptx
     pairs = tile_n // 4
     assert ptx.count("st.global.v2.b32") == pairs
     assert ptx.count("atom.global.acq_rel.add") == 1
     assert ptx.count("ld.global.cg.v2.f32") == 3 * pairs
     assert ptx.count("st.global.v4.b32") == pairs // 4 and ptx.count("cvt.rn.bf16x2.f32") == pairs
+
+
+def test_ptx_fp8_cluster_multicasts_a(ptx_of):
+    """cluster_n = 2: A by a multicast TMA, B by a plain one, stages released in both CTAs, a cluster barrier
+    before the CTAs leave; without a cluster none of it."""
+    ptx = ptx_of(gemm_fp8._build_gemm, cluster_n=2)
+    loads = [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln]
+    assert sum("multicast::cluster" in ln for ln in loads) == sum("multicast" not in ln for ln in loads) >= 1
+    assert "mbarrier.arrive.shared::cluster" in ptx and "barrier.cluster.wait" in ptx
+    alone = ptx_of(gemm_fp8._build_gemm)
+    assert "multicast" not in alone and "barrier.cluster" not in alone
 
 
 def test_fp8_gemm_refuses_an_output_it_cannot_write():
@@ -113,26 +125,28 @@ def test_invalid_configs_are_refused():
 
 def test_fp8_config_fills_the_sms():
     """pick_config on the H200's 132 SMs, the choices measured best there (benchmarks/results/gemm.json): above
-    256 rows 64-wide tiles only where 128-wide ones leave most SMs idle and K never split; in decode K split
-    until a row of tiles fills the SMs."""
-    pick = gemm_fp8.pick_config
-    assert pick(2048, 512, 7168, 132) == (64, 1)        # Pro wkv: 64 CTAs of 128 x 128 -> 128 of 128 x 64
-    assert pick(4096, 512, 7168, 132) == (128, 1)       # 128 CTAs
-    assert pick(2048, 1536, 7168, 132) == (128, 1)      # Pro wq_a: 1.45 waves, 64-wide 2.9; split gains nothing
-    assert pick(2048, 7168, 16384, 132) == (128, 1)     # wo_b: 6.8 waves
-    assert pick(16, 1536, 7168, 132) == (64, 4)         # decode wq_a: 24 tiles -> 96 CTAs of 14 k-tiles
-    assert pick(16, 1536, 7168, 132, tile_n=128) == (128, 4)
-    assert pick(16, 65536, 1536, 132) == (128, 1)       # wq_b: 512 tiles fill the SMs
+    256 rows 64-wide tiles only where 128-wide ones leave most SMs idle, K whole, A shared in clusters of two;
+    in decode K split until a row of tiles fills the SMs."""
+    pick, C = gemm_fp8.pick_config, gemm_fp8.Fp8Config
+    assert pick(2048, 512, 7168, 132) == C(64, 1, 2)    # Pro wkv: 64 CTAs of 128 x 128 -> 128 of 128 x 64
+    assert pick(4096, 512, 7168, 132) == C(128, 1, 2)   # 128 CTAs
+    assert pick(2048, 1536, 7168, 132) == C(128, 1, 2)  # Pro wq_a: 1.45 waves, 64-wide 2.9; split gains nothing
+    assert pick(2048, 7168, 16384, 132) == C(128, 1, 2)  # wo_b: 6.8 waves
+    assert pick(4096, 1152, 7168, 132) == C(128, 1, 1)  # 9 tiles along N: no pairs
+    assert pick(16, 1536, 7168, 132) == C(64, 4)        # decode wq_a: 24 tiles -> 96 CTAs of 14 k-tiles
+    assert pick(16, 65536, 1536, 132) == C(128, 1)      # wq_b: 512 tiles fill the SMs
     for m, n, k in ((1, 512, 7168), (16, 7168, 3072), (256, 4096, 8192)):
-        t, split = pick(m, n, k, 132)
-        assert t in gemm_fp8.TILE_NS and (k // 128) % split == 0 and split <= gemm_fp8.MAX_SPLIT
+        t, split, cluster = pick(m, n, k, 132)
+        assert t in gemm_fp8.TILE_NS and (k // 128) % split == 0 and split <= gemm_fp8.MAX_SPLIT and cluster == 1
 
 
 def test_fp8_gemm_refuses_a_split_that_does_not_divide_k():
     import torch
     xq, w = torch.zeros(4, 384, dtype=torch.float8_e4m3fn), torch.zeros(128, 384, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="cannot split K = 384 into 2"):
-        gemm_fp8.fp8_gemm(xq, torch.ones(3, 4), w, torch.ones(1, 3), tile_n=128, split=2)
+        gemm_fp8.fp8_gemm(xq, torch.ones(3, 4), w, torch.ones(1, 3), config=gemm_fp8.Fp8Config(128, 2))
+    with pytest.raises(ValueError, match="cannot group 1 tiles along N in clusters of 2"):
+        gemm_fp8.fp8_gemm(xq, torch.ones(3, 4), w, torch.ones(1, 3), config=gemm_fp8.Fp8Config(128, 1, 2))
 
 
 # ---- the NVFP4 repack is exact ------------------------------------------------------------------------

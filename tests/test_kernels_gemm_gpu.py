@@ -26,22 +26,36 @@ def test_fp8_linear_within_sim_error(gen, m):
 @pytest.mark.parametrize("tile_n", [128, 64])
 def test_fp8_split_k_is_deterministic_and_reusable(gen, tile_n):
     """Split-K GEMMs: the same bits on every call (parts summed in split order; the tickets reset for the next
-    launch), rows past M untouched, and within fp32 summation error of the unsplit GEMM."""
+    launch), rows past M untouched (also in clusters), and within fp32 summation error of the unsplit GEMM."""
     from dsv4_kernels import check_gemm as C
     from dsv4_kernels import gemm_fp8 as K
     q, s, _ = C.rand_fp8_weight(512, 2048, gen)
     sb = K.weight_scales(s)
     xq, sa = K.fp8_act_quant(C._randn((77, 2048), gen))
-    whole = K.fp8_gemm(xq, sa, q, sb, tile_n=tile_n, split=1)
+    whole = K.fp8_gemm(xq, sa, q, sb, config=K.Fp8Config(tile_n))
     for split in (2, 4, 16):
-        a = K.fp8_gemm(xq, sa, q, sb, tile_n=tile_n, split=split)
-        b = K.fp8_gemm(xq, sa, q, sb, tile_n=tile_n, split=split)
+        a = K.fp8_gemm(xq, sa, q, sb, config=K.Fp8Config(tile_n, split))
+        b = K.fp8_gemm(xq, sa, q, sb, config=K.Fp8Config(tile_n, split))
         assert torch.equal(a, b), split
         assert (a.float() - whole.float()).abs().max() <= 2 ** -7 * whole.float().abs().max(), split
     big = torch.full((78, 512), 7.0, dtype=torch.bfloat16, device="cuda")
-    K.fp8_gemm(xq, sa, q, sb, out=big[:77], tile_n=tile_n, split=4)
-    assert torch.equal(big[:77], K.fp8_gemm(xq, sa, q, sb, tile_n=tile_n, split=4))
+    K.fp8_gemm(xq, sa, q, sb, out=big[:77], config=K.Fp8Config(tile_n, 4, 2))
+    assert torch.equal(big[:77], K.fp8_gemm(xq, sa, q, sb, config=K.Fp8Config(tile_n, 4, 2)))
     assert bool((big[77] == 7.0).all())
+
+
+@pytest.mark.parametrize("tile_n", [128, 64])
+def test_fp8_clusters_share_a_and_change_no_bit(gen, tile_n):
+    """A tile multicast to a cluster of two CTAs along N: the same bits as each CTA loading its own, across
+    several row tiles, a partial last one and a grid of many waves."""
+    from dsv4_kernels import check_gemm as C
+    from dsv4_kernels import gemm_fp8 as K
+    q, s, _ = C.rand_fp8_weight(2048, 1024, gen)
+    sb = K.weight_scales(s)
+    for m in (1, 300, 4096):
+        xq, sa = K.fp8_act_quant(C._randn((m, 1024), gen))
+        alone = K.fp8_gemm(xq, sa, q, sb, config=K.Fp8Config(tile_n))
+        assert torch.equal(K.fp8_gemm(xq, sa, q, sb, config=K.Fp8Config(tile_n, 1, 2)), alone), m
 
 
 def test_w4a16_linear_and_fused_swiglu(gen):
