@@ -125,19 +125,21 @@ def test_invalid_configs_are_refused():
 
 def test_fp8_config_fills_the_sms():
     """pick_config on the H200's 132 SMs, the choices measured best there (benchmarks/results/gemm.json): above
-    256 rows 64-wide tiles only where 128-wide ones leave most SMs idle, K whole, A shared in clusters of two;
-    in decode K split until a row of tiles fills the SMs."""
+    256 rows 64-wide tiles only where 128-wide ones leave most SMs idle, K whole, A shared in clusters of two
+    for K loops of 16 tiles or more; in decode K split until a row of tiles fills the SMs, in clusters."""
     pick, C = gemm_fp8.pick_config, gemm_fp8.Fp8Config
     assert pick(2048, 512, 7168, 132) == C(64, 1, 2)    # Pro wkv: 64 CTAs of 128 x 128 -> 128 of 128 x 64
     assert pick(4096, 512, 7168, 132) == C(128, 1, 2)   # 128 CTAs
     assert pick(2048, 1536, 7168, 132) == C(128, 1, 2)  # Pro wq_a: 1.45 waves, 64-wide 2.9; split gains nothing
     assert pick(2048, 7168, 16384, 132) == C(128, 1, 2)  # wo_b: 6.8 waves
     assert pick(4096, 1152, 7168, 132) == C(128, 1, 1)  # 9 tiles along N: no pairs
-    assert pick(16, 1536, 7168, 132) == C(64, 4)        # decode wq_a: 24 tiles -> 96 CTAs of 14 k-tiles
-    assert pick(16, 65536, 1536, 132) == C(128, 1)      # wq_b: 512 tiles fill the SMs
+    assert pick(2048, 65536, 1536, 132) == C(128, 1, 1)  # wq_b: 12 k-tiles, too short a loop for clusters
+    assert pick(16, 1536, 7168, 132) == C(64, 4, 2)     # decode wq_a: 24 tiles -> 96 CTAs of 14 k-tiles
+    assert pick(16, 65536, 1536, 132) == C(128, 1, 2)   # wq_b: 512 tiles fill the SMs
     for m, n, k in ((1, 512, 7168), (16, 7168, 3072), (256, 4096, 8192)):
         t, split, cluster = pick(m, n, k, 132)
-        assert t in gemm_fp8.TILE_NS and (k // 128) % split == 0 and split <= gemm_fp8.MAX_SPLIT and cluster == 1
+        assert t in gemm_fp8.TILE_NS and (k // 128) % split == 0 and split <= gemm_fp8.MAX_SPLIT
+        assert (n // t) % cluster == 0
 
 
 def test_fp8_gemm_refuses_a_split_that_does_not_divide_k():
