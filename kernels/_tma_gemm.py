@@ -24,12 +24,53 @@ def tma_pipeline(barriers, stages: int, tx_bytes: int, cluster_n: int = 1):
         tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, cluster_n, 1)))
 
 
+def multicast_op(cluster_n: int):
+    """The TMA load of a tile that a cluster of cluster_n CTAs along grid x shares (plain when alone)."""
+    return cpasync.CopyBulkTensorTileG2SMulticastOp() if cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp()
+
+
+@cute.jit
+def shared_tile_partition(tma: cute.CopyAtom, cluster_n: cutlass.Constexpr, s: cute.Tensor, g: cute.Tensor):
+    """(tS, tG, mask) for `load`: the stages s and global tiles g of a tile shared by a cluster of cluster_n CTAs
+    along grid x. Each CTA loads 1 / cluster_n of it and multicasts that part to all of them (mask); alone, the
+    whole tile (mask None)."""
+    mask = None
+    if cutlass.const_expr(cluster_n > 1):
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        ctas = cute.make_layout((1, cluster_n, 1))                     # (M, N, K) of the cluster
+        mask = cute.make_layout_image_mask(ctas, ctas.get_flat_coord(rank), mode=1)
+        tS, tG = cpasync.tma_partition(tma, rank, cute.make_layout(cluster_n), cute.group_modes(s, 0, 2),
+                                       cute.group_modes(g, 0, 2))
+    else:
+        tS, tG = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                       cute.group_modes(g, 0, 2))
+    return tS, tG, mask
+
+
+@cute.jit
+def load(tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar, mask):
+    """One TMA load into a pipeline stage, multicast where `mask` (from shared_tile_partition) says so."""
+    if cutlass.const_expr(mask is None):
+        cute.copy(tma, src, dst, tma_bar_ptr=bar)
+    else:
+        cute.copy(tma, src, dst, tma_bar_ptr=bar, mcast_mask=mask)
+
+
+@cute.jit
+def leave_cluster(cluster_n: cutlass.Constexpr):
+    """Every thread, last: no CTA of a cluster exits while another may still write its shared memory or arrive
+    on its barriers."""
+    if cutlass.const_expr(cluster_n > 1):
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+
 class TmaOperandsAB:
     """Host side and kernel prologue of a GEMM whose A and B both stream through TMA (see the module doc).
     cluster_n > 1: the grid's CTAs form clusters of cluster_n along N (grid x), which share their A tile: each
     CTA loads 1 / cluster_n of it and multicasts that part to all of them, cutting the A traffic from L2 by
     cluster_n (the large FP8 GEMMs are bound by that traffic). Launch with `cluster=self.cluster` and end the
-    kernel with `leave_cluster` in every thread."""
+    kernel with `leave_cluster(cluster_n)` in every thread."""
     tile_m: int
     tile_n: int
     tile_k: int
@@ -47,8 +88,8 @@ class TmaOperandsAB:
             sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dtype, self.tile_k), dtype)
         sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
         sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
-        a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp()
-        tma_a, mA_tma = cpasync.make_tiled_tma_atom(a_op, mA, cute.slice_(sA_layout, (None, None, 0)),
+        tma_a, mA_tma = cpasync.make_tiled_tma_atom(multicast_op(self.cluster_n), mA,
+                                                    cute.slice_(sA_layout, (None, None, 0)),
                                                     (self.tile_m, self.tile_k), num_multicast=self.cluster_n)
         tma_b, mB_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
                                                     cute.slice_(sB_layout, (None, None, 0)),
@@ -77,16 +118,7 @@ class TmaOperandsAB:
         pipe = tma_pipeline(st.bars, self.stages, self.tx_bytes, self.cluster_n)
         gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (by, None))
         gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (bx, None))
-        a_mask = None
-        if cutlass.const_expr(self.cluster_n > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            ctas = cute.make_layout((1, self.cluster_n, 1))           # (M, N, K) of the cluster
-            a_mask = cute.make_layout_image_mask(ctas, ctas.get_flat_coord(rank), mode=1)
-            tAsA, tAgA = cpasync.tma_partition(tma_a, rank, cute.make_layout(self.cluster_n),
-                                               cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-        else:
-            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                                               cute.group_modes(gA, 0, 2))
+        tAsA, tAgA, a_mask = shared_tile_partition(tma_a, self.cluster_n, sA, gA)
         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
                                            cute.group_modes(gB, 0, 2))
         return pipe, sA, sB, (tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB)
@@ -121,20 +153,8 @@ class TmaOperandsAB:
         for kt in cutlass.range(k_tiles, unroll=1):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
-            if cutlass.const_expr(self.cluster_n > 1):
-                cute.copy(tma_a, tAgA[(None, k_first + kt)], tAsA[(None, state.index)], tma_bar_ptr=bar,
-                          mcast_mask=a_mask)
-            else:
-                cute.copy(tma_a, tAgA[(None, k_first + kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            load(tma_a, tAgA[(None, k_first + kt)], tAsA[(None, state.index)], bar, a_mask)
             cute.copy(tma_b, tBgB[(None, k_first + kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
             pipe.producer_commit(state)
             state.advance()
         pipe.producer_tail(state)
-
-    @cute.jit
-    def leave_cluster(self):
-        """Every thread, last: no CTA of a cluster exits while another may still write its shared memory or
-        arrive on its barriers."""
-        if cutlass.const_expr(self.cluster_n > 1):
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()

@@ -23,7 +23,7 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, cute, pipeli
 from cutlass.cute.nvgpu import warpgroup
 
 from ._common import KernelDef, bits_f32, f32_bits, fake_ptr, fake_stream, fmax_nan, ld_cg_f32x2, register
-from ._tma_gemm import TmaOperandsAB
+from ._tma_gemm import TmaOperandsAB, leave_cluster
 
 SM90 = ("sm_90a",)
 SMEM_BYTES = 227 * 1024
@@ -236,7 +236,7 @@ class Fp8BlockGemm(TmaOperandsAB):
                     self.store(acc, tCcC, mY, bx, by, m, n, lane)
             else:
                 self.store(acc, tCcC, mY, bx, by, m, n, lane)
-        self.leave_cluster()
+        leave_cluster(self.cluster_n)
 
     @cute.jit
     def sum_splits(self, acc: cute.Tensor, tCcC: cute.Tensor, mWs: cute.Tensor, mTicket: cute.Tensor, bx: Int32,
