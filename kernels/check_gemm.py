@@ -337,8 +337,9 @@ def _w4_candidates(m: int, n: int, k: int, tune: bool) -> list[dict]:
                 if kc % (sp * tile_k // 64) == 0 and c not in cands:
                     cands.append(c)
     if tune and m >= 2048:
-        for c in ({"n_tok": 128, "t_max": 2, "tile_k": 128, "split": 1}, {"n_tok": 128, "t_max": 1, "split": 1},
-                  {"n_tok": 64, "t_max": 4, "tile_k": 128, "split": 1}):
+        for c in ({"n_tok": 128, "t_max": 2, "split": 1}, {"n_tok": 128, "t_max": 2, "tile_k": 128, "split": 1},
+                  {"n_tok": 128, "t_max": 2, "tile_k": 128, "split": 1, "cluster_n": 2},
+                  {"n_tok": 128, "t_max": 1, "split": 1}, {"n_tok": 64, "t_max": 4, "tile_k": 128, "split": 1}):
             if c not in cands:
                 cands.append(c)
     return cands
@@ -398,7 +399,8 @@ def _moe_candidates(pairs: int, E: int, tune: bool) -> list[dict]:
     from .moe import pick_grouped_config
     cands = [pick_grouped_config(pairs, E)]
     extra = ([{"n_tok": 32, "t_max": 4, "tile_k": 128}, {"n_tok": 64, "t_max": 2, "tile_k": 64},
-              {"n_tok": 128, "t_max": 1, "tile_k": 128}] if pairs > 16 * E
+              {"n_tok": 128, "t_max": 1, "tile_k": 128}, {"n_tok": 64, "t_max": 2, "tile_k": 128, "cluster_n": 2}]
+             if pairs > 16 * E
              else [{"n_tok": 16, "t_max": 1, "tile_k": 128}, {"n_tok": 8, "t_max": 2, "tile_k": 64}])
     return cands + [c for c in extra if tune and c not in cands]
 

@@ -49,7 +49,7 @@ from ._common import (
     scratch,
     sm_count,
 )
-from ._tma_gemm import tma_pipeline
+from ._tma_gemm import leave_cluster, load, multicast_op, shared_tile_partition, tma_pipeline
 
 SM90 = ("sm_90a",)
 SMEM_BYTES = 227 * 1024
@@ -100,14 +100,17 @@ class W4A16Gemm:
     threads = 384
 
     def __init__(self, n_tok: int, t_max: int = 1, grouped: bool = False, epilogue: str = "plain",
-                 split_k: bool = False, tile_k: int = 64, stages: int | None = None):
+                 split_k: bool = False, tile_k: int = 64, stages: int | None = None, cluster_n: int = 1):
         if n_tok % 8 or not 8 <= n_tok <= 256 or n_tok * t_max > 256:
             raise ValueError("n_tok must be a multiple of 8 in [8, 256] and n_tok * t_max <= 256")
         if epilogue not in ("plain", "swiglu"):
             raise ValueError(f"unknown epilogue {epilogue}")
         if split_k and (grouped or epilogue != "plain"):
             raise ValueError("split-K is for dense plain GEMMs")
+        if cluster_n not in (1, 2):
+            raise ValueError("cluster_n must be 1 or 2")
         self.n_tok, self.t_max, self.grouped, self.epilogue, self.split_k = n_tok, t_max, grouped, epilogue, split_k
+        self.cluster_n = cluster_n
         self.n_cta = n_tok * t_max
         if tile_k not in (64, 128):
             raise ValueError("tile_k must be 64 or 128")
@@ -143,8 +146,8 @@ class W4A16Gemm:
             sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, BFloat16, self.tile_k), BFloat16)
         sB_layout = cute.tile_to_shape(b_atom, (self.n_cta, self.tile_k, self.stages), order=(0, 1, 2))
         tma_atom, mX_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(sB_layout, (None, None, 0)),
-            (self.n_cta, self.tile_k))
+            multicast_op(self.cluster_n), mX, cute.slice_(sB_layout, (None, None, 0)), (self.n_cta, self.tile_k),
+            num_multicast=self.cluster_n)
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
@@ -162,7 +165,8 @@ class W4A16Gemm:
         self.storage = Storage
         self.kernel(tma_atom, mX_tma, mBlob, mS, mGs, mOut, mRw, mUnits, mUcount, mWs, mTicket, tiled_mma,
                     sB_layout, rows, n, k, n_split, lim).launch(
-            grid=[nb // 2, n_units, n_split], block=[self.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
+            grid=[nb // 2, n_units, n_split], block=[self.threads, 1, 1], cluster=[self.cluster_n, 1, 1],
+            min_blocks_per_mp=1, stream=stream)
 
     # ---- device side ----
 
@@ -206,11 +210,10 @@ class W4A16Gemm:
                                                    stride=(1, 2, 16, CHUNK_SBYTES // 4,
                                                            self.chunks * CHUNK_SBYTES // 4,
                                                            2 * self.chunks * CHUNK_SBYTES // 4)))
-            pipe = tma_pipeline(st.bars, self.stages, self.tx_bytes)
+            pipe = tma_pipeline(st.bars, self.stages, self.tx_bytes, self.cluster_n)
 
             gX = cute.local_tile(cute.domain_offset((row0, c_begin * 64), mX), (self.n_cta, self.tile_k), (0, None))
-            tBsB, tBgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                               cute.group_modes(gX, 0, 2))
+            tBsB, tBgX, x_mask = shared_tile_partition(tma_atom, self.cluster_n, sB, gX)
 
             if warp < 4:
                 # ================= producer =================
@@ -222,7 +225,7 @@ class W4A16Gemm:
                     for kt in cutlass.range(k_tiles, unroll=1):
                         pipe.producer_acquire(state)
                         bar = pipe.producer_get_barrier(state)
-                        cute.copy(tma_atom, tBgX[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                        load(tma_atom, tBgX[(None, kt)], tBsB[(None, state.index)], bar, x_mask)
                         if lane == 0:
                             for h in cutlass.range_constexpr(2):
                                 blk = Int64((expert * nb + bx * 2 + h) * kc + c_begin + kt * self.chunks)
@@ -301,6 +304,7 @@ class W4A16Gemm:
                         if t < n_sub:
                             self.epilogue_direct(accs[t], tCcC, mOut, mRw, gs, lim, bx, row0 + t * self.n_tok,
                                                  cnt - t * self.n_tok)
+            leave_cluster(self.cluster_n)          # both CTAs of a cluster have the same unit: valid together
 
     @cute.jit
     def decode_stage(self, sW: cute.Tensor, sS: cute.Tensor, stage: Int32, frag: cute.Tensor, lane: Int32,
@@ -410,8 +414,8 @@ class W4A16Gemm:
 # --------------------------------------------------------------------------------------------------------
 
 def _build(n_tok: int, t_max: int = 1, grouped: bool = False, epilogue: str = "plain", split_k: bool = False,
-           tile_k: int = 64):
-    kern = W4A16Gemm(n_tok, t_max, grouped, epilogue, split_k, tile_k)
+           tile_k: int = 64, cluster_n: int = 1):
+    kern = W4A16Gemm(n_tok, t_max, grouped, epilogue, split_k, tile_k, cluster_n=cluster_n)
     args = (fake_ptr(BFloat16), fake_ptr(Uint32), fake_ptr(Uint8, 16), fake_ptr(Float32, 4),
             fake_ptr(BFloat16), fake_ptr(Float32, 4), fake_ptr(Int32, 4), fake_ptr(Int32, 4),
             fake_ptr(Float32, 4), fake_ptr(Int32, 4),
@@ -423,10 +427,13 @@ W4_CONFIGS = (
     {"n_tok": 16},                                              # dense decode (M <= 16)
     {"n_tok": 16, "split_k": True},                                # dense decode, split-K
     {"n_tok": 128, "t_max": 2},                                    # dense prefill
+    {"n_tok": 128, "t_max": 2, "cluster_n": 2},                    # dense prefill, x shared by 2 CTAs
     {"n_tok": 16, "grouped": True, "epilogue": "swiglu"},             # MoE decode w13
     {"n_tok": 16, "grouped": True},                                # MoE decode w2
     {"n_tok": 64, "t_max": 2, "grouped": True, "epilogue": "swiglu"},    # MoE prefill w13
     {"n_tok": 64, "t_max": 2, "grouped": True},                       # MoE prefill w2
+    {"n_tok": 64, "t_max": 2, "grouped": True, "epilogue": "swiglu", "tile_k": 128, "cluster_n": 2},
+    {"n_tok": 64, "t_max": 2, "grouped": True, "tile_k": 128, "cluster_n": 2},
 )
 
 register(KernelDef(
@@ -456,12 +463,14 @@ def pick_dense_config(m: int, n: int, k: int, sms: int) -> dict:
         return {"n_tok": 16, "split_k": split > 1, "split": split} | wide
     if m <= 64:
         return {"n_tok": 64, "split": 1}
-    return {"n_tok": 128, "t_max": 2, "split": 1}
+    # prefill: 256 tokens a CTA; pairs of CTAs along N share (multicast) their activation tile, 7/8 of a
+    # stage's bytes, halving the L2 traffic that bounds the dense GEMM
+    return {"n_tok": 128, "t_max": 2, "split": 1, "cluster_n": 2 if (n // 128) % 2 == 0 else 1}
 
 
 def w4a16_launch(x, pack, n: int, *, out=None, route_w=None, units=None, unit_count=None, lim: float = 0.0,
                  n_tok: int = 16, t_max: int = 1, grouped: bool = False, epilogue: str = "plain",
-                 split_k: bool = False, split: int = 1, tile_k: int = 64):
+                 split_k: bool = False, split: int = 1, tile_k: int = 64, cluster_n: int = 1):
     """Launch one W4A16 GEMM. x bf16 [rows, K] (grouped: rows sorted by expert), pack = (blob, sblob, gscale)
     from w4_pack; returns out bf16 [rows, n] (swiglu: [rows, n/2])."""
     import torch
@@ -480,13 +489,16 @@ def w4a16_launch(x, pack, n: int, *, out=None, route_w=None, units=None, unit_co
         return out
     if (k // 64) % (split * (tile_k // 64)):
         raise ValueError(f"split {split} x tile_k {tile_k} does not divide K = {k}")
+    if (n // 128) % cluster_n:
+        raise ValueError(f"W4A16 cannot group {n // 128} weight tiles in clusters of {cluster_n}")
     n_cta = n_tok * t_max
     if grouped:
         n_units = units.shape[0]
     else:
         n_units = -(-rows // n_cta)
         units = unit_count = torch.zeros(3, dtype=torch.int32, device=x.device)
-    cfg = {"n_tok": n_tok, "t_max": t_max, "grouped": grouped, "epilogue": epilogue, "split_k": split_k, "tile_k": tile_k}
+    cfg = {"n_tok": n_tok, "t_max": t_max, "grouped": grouped, "epilogue": epilogue, "split_k": split_k, "tile_k": tile_k,
+           "cluster_n": cluster_n}
     fn = compile_kernel("w4a16_gemm", device_arch(x.device), **cfg)
     if split_k:
         ws = scratch(("w4_ws", x.device, rows, n, split),

@@ -104,6 +104,15 @@ def test_ptx_fp8_cluster_multicasts_a(ptx_of):
     assert "multicast" not in alone and "barrier.cluster" not in alone
 
 
+def test_ptx_w4a16_cluster_multicasts_x(ptx_of):
+    """W4A16 prefill in clusters of two: the activation tile by a multicast TMA, each CTA's own weights by bulk
+    copies, a cluster barrier at the end."""
+    ptx = ptx_of(gemm_w4a16._build, n_tok=128, t_max=2, cluster_n=2)
+    assert sum("cp.async.bulk.tensor" in ln and "multicast::cluster" in ln for ln in ptx.splitlines()) >= 1
+    assert "cp.async.bulk.shared::cluster.global" in ptx and "barrier.cluster.wait" in ptx
+    assert "multicast" not in ptx_of(gemm_w4a16._build, n_tok=128, t_max=2)
+
+
 def test_fp8_gemm_refuses_an_output_it_cannot_write():
     import torch
     xq, w = torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.zeros(128, 128, dtype=torch.float8_e4m3fn)

@@ -58,6 +58,25 @@ def test_fp8_clusters_share_a_and_change_no_bit(gen, tile_n):
         assert torch.equal(K.fp8_gemm(xq, sa, q, sb, config=K.Fp8Config(tile_n, 1, 2)), alone), m
 
 
+def test_w4a16_clusters_share_x_and_change_no_bit(gen):
+    """Activation tiles multicast to clusters of two CTAs along N: dense (partial last token tile) and grouped
+    (units past the count, experts with no tokens) give the same bits as CTAs loading their own."""
+    from dsv4_kernels import check_gemm as C
+    from dsv4_kernels import gemm_w4a16, moe, w4_pack
+    q, ws, s2, _ = C.rand_nvfp4_weight(1024, 2048, gen)
+    pack = w4_pack.pack_nvfp4(q, ws, s2)
+    x = C._randn((600, 2048), gen)
+    cfg = {"n_tok": 128, "t_max": 2, "split": 1}
+    alone = gemm_w4a16.w4a16_linear(x, pack, 1024, config=cfg)
+    assert torch.equal(gemm_w4a16.w4a16_linear(x, pack, 1024, config=cfg | {"cluster_n": 2}), alone)
+    w13, w2, _ = C.make_moe_weights(8, 512, 256, gen)
+    x = C._randn((300, 512), gen)
+    ids, w = C.random_routing(300, 8, 4, gen)
+    cfg = {"n_tok": 64, "t_max": 2, "tile_k": 128}
+    alone = moe.moe_routed(x, ids, w, w13, w2, 8, C.LIMIT, config=cfg)
+    assert torch.equal(moe.moe_routed(x, ids, w, w13, w2, 8, C.LIMIT, config=cfg | {"cluster_n": 2}), alone)
+
+
 def test_w4a16_linear_and_fused_swiglu(gen):
     from dsv4_kernels import check_gemm as C
     rows = C.check_w4("flash", ms=(1, 16, 130), gen=gen, log=lambda s: None)
