@@ -32,8 +32,6 @@ CLUSTER_NS = (1, 2)         # CTAs along N sharing (multicasting) their A tile
 CLUSTER_N = 2               # where (n // tile_n) is even
 CLUSTER_MIN_KTILES = 16     # above SPLIT_MAX_M rows, clusters for K loops of at least this many 128-wide tiles
 TILE64_RATE = 0.6           # a 64-wide tile's speed over a 128-wide one's in full waves (H200: 0.60-0.66)
-ACT_QUANT_VECS = 4          # 16-byte vectors a thread of fp8_act_quant
-ACT_QUANT_VECS_TRIED = (4, 8, 16)
 MAX_SPLIT = 16              # split-K parts
 SPLIT_MAX_M = 256           # split K only for one or two rows of tiles (decode, small batches)
 CTA_FIXED_KTILES = 7        # decode cost model, in k-tiles of a CTA's main loop: its fixed part (fill, epilogue)
@@ -53,13 +51,10 @@ def bf16x2(lo: Float32, hi: Float32) -> Uint32:
 # --------------------------------------------------------------------------------------------------------
 
 class Fp8ActQuant:
-    """x bf16 [M, K] -> xq e4m3 [M, K], sa fp32 [K/128, M]; 16 threads per block, 8 elements a vector, `vecs`
+    """x bf16 [M, K] -> xq e4m3 [M, K], sa fp32 [K/128, M]; 16 threads per block, 8 elements a vector, VECS
     vectors a thread, all loaded before any is converted (one 16-byte load in flight a thread left the copy
     rate at half)."""
-    threads = 256
-
-    def __init__(self, vecs: int = 4):
-        self.vecs = vecs
+    threads, vecs = 256, 4
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, q_ptr: cute.Pointer, s_ptr: cute.Pointer, m: Int32, k: Int32, stream):
@@ -114,13 +109,12 @@ class Fp8ActQuant:
                 mS[kb, row] = s
 
 
-def _build_quant(vecs: int = ACT_QUANT_VECS):
-    return Fp8ActQuant(vecs), (fake_ptr(BFloat16), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4), Int32(16),
+def _build_quant():
+    return Fp8ActQuant(), (fake_ptr(BFloat16), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4), Int32(16),
                            Int32(7168), fake_stream())
 
 
-register(KernelDef("fp8_act_quant", "linear", ("sm_90a", "sm_100a"), _build_quant,
-                   configs=tuple({"vecs": v} for v in ACT_QUANT_VECS_TRIED), ci_configs=({"vecs": ACT_QUANT_VECS},),
+register(KernelDef("fp8_act_quant", "linear", ("sm_90a", "sm_100a"), _build_quant, configs=({},),
                    doc="bf16 -> e4m3 with a power-of-two scale per 1 x 128 (DeepSeek's act_quant)"))
 
 
@@ -372,7 +366,7 @@ register(KernelDef("fp8_block_gemm", "linear", SM90, _build_gemm,
 # Torch launchers
 # --------------------------------------------------------------------------------------------------------
 
-def fp8_act_quant(x, vecs: int = ACT_QUANT_VECS):
+def fp8_act_quant(x):
     """x bf16 [M, K] -> (xq e4m3 [M, K], sa fp32 [K/128, M]): the values sim.fp8_act_quant rounds to are
     xq * sa (per 1 x 128 block)."""
     import torch
@@ -385,7 +379,7 @@ def fp8_act_quant(x, vecs: int = ACT_QUANT_VECS):
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(k // 128, m, dtype=torch.float32, device=x.device)
     if m:
-        fn = compile_kernel("fp8_act_quant", device_arch(x.device), vecs=vecs)
+        fn = compile_kernel("fp8_act_quant", device_arch(x.device))
         fn(ptr(x), ptr(q), ptr(s, align=4), Int32(m), Int32(k), current_stream())
     return q, s
 
