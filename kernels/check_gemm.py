@@ -252,7 +252,7 @@ def check_moe(preset: str, E_small: int = 24, tokens=(256, 4096), gen=None, log=
         ok = mm["nan"] == 0 and mm["cos"] >= 0.999
         rows.append(Row("expert", f"moe grouped T={T} E={E_small}", f"[{T}, {D}] top{k} I={I}",
                         "cos(reference experts, dequantised W) >= 0.999", ok, mm["cos"], mm["max_err"], None,
-                        mm["nan"], note=f"config {K.pick_grouped_config(T * k, E_small)}"))
+                        mm["nan"], note=f"config {K.pick_grouped_config(T * k, E_small, (2 * I, D))}"))
         log(f"  moe {preset} T={T} E={E_small}: {'PASS' if ok else 'FAIL'} cos {mm['cos']:.7f}")
     return rows
 
@@ -337,9 +337,8 @@ def _w4_candidates(m: int, n: int, k: int, tune: bool) -> list[dict]:
                 if kc % (sp * tile_k // 64) == 0 and c not in cands:
                     cands.append(c)
     if tune and m >= 2048:
-        for c in ({"n_tok": 128, "t_max": 2, "split": 1}, {"n_tok": 128, "t_max": 2, "tile_k": 128, "split": 1},
-                  {"n_tok": 128, "t_max": 2, "tile_k": 128, "split": 1, "cluster_n": 2},
-                  {"n_tok": 128, "t_max": 1, "split": 1}, {"n_tok": 64, "t_max": 4, "tile_k": 128, "split": 1}):
+        for c in ({"n_tok": 128, "t_max": 2, "tile_k": 128, "split": 1}, {"n_tok": 128, "t_max": 1, "split": 1},
+                  {"n_tok": 64, "t_max": 4, "tile_k": 128, "split": 1}):
             if c not in cands:
                 cands.append(c)
     return cands
@@ -395,11 +394,11 @@ def bench_moe(preset: str = "pro", tokens=(256, 4096), gen=None, log=print, chec
     return out
 
 
-def _moe_candidates(pairs: int, E: int, tune: bool) -> list[dict]:
+def _moe_candidates(pairs: int, E: int, widths: tuple[int, ...], tune: bool) -> list[dict]:
     from .moe import pick_grouped_config
-    cands = [pick_grouped_config(pairs, E)]
+    cands = [pick_grouped_config(pairs, E, widths)]
     extra = ([{"n_tok": 32, "t_max": 4, "tile_k": 128}, {"n_tok": 64, "t_max": 2, "tile_k": 64},
-              {"n_tok": 128, "t_max": 1, "tile_k": 128}, {"n_tok": 64, "t_max": 2, "tile_k": 128, "cluster_n": 2}]
+              {"n_tok": 128, "t_max": 1, "tile_k": 128}, {"n_tok": 64, "t_max": 2, "tile_k": 128}]
              if pairs > 16 * E
              else [{"n_tok": 16, "t_max": 1, "tile_k": 128}, {"n_tok": 8, "t_max": 2, "tile_k": 64}])
     return cands + [c for c in extra if tune and c not in cands]
@@ -438,7 +437,7 @@ def _bench_moe_tokens(preset, T, w13, w2, b13, b2, gen, log, check_tokens, tune)
     def ours(_i, cfg=None):
         return K.moe_routed(x, ids, w, w13, w2, E, LIMIT, config=cfg)
 
-    cands = _moe_candidates(T * k, E, tune)
+    cands = _moe_candidates(T * k, E, (2 * I, D), tune)
     times = {}
     for c in cands:
         try:

@@ -427,7 +427,6 @@ W4_CONFIGS = (
     {"n_tok": 16},                                              # dense decode (M <= 16)
     {"n_tok": 16, "split_k": True},                                # dense decode, split-K
     {"n_tok": 128, "t_max": 2},                                    # dense prefill
-    {"n_tok": 128, "t_max": 2, "cluster_n": 2},                    # dense prefill, x shared by 2 CTAs
     {"n_tok": 16, "grouped": True, "epilogue": "swiglu"},             # MoE decode w13
     {"n_tok": 16, "grouped": True},                                # MoE decode w2
     {"n_tok": 64, "t_max": 2, "grouped": True, "epilogue": "swiglu"},    # MoE prefill w13
@@ -463,9 +462,9 @@ def pick_dense_config(m: int, n: int, k: int, sms: int) -> dict:
         return {"n_tok": 16, "split_k": split > 1, "split": split} | wide
     if m <= 64:
         return {"n_tok": 64, "split": 1}
-    # prefill: 256 tokens a CTA; pairs of CTAs along N share (multicast) their activation tile, 7/8 of a
-    # stage's bytes, halving the L2 traffic that bounds the dense GEMM
-    return {"n_tok": 128, "t_max": 2, "split": 1, "cluster_n": 2 if (n // 128) % 2 == 0 else 1}
+    # prefill: 256 tokens a CTA. Clusters sharing the activation tile gained nothing here on the H200 (Pro w1
+    # at M = 2048: 156.1 us in pairs, 155.0 alone; 4096: 267.6 / 253.9): the dense GEMM is not bound by L2
+    return {"n_tok": 128, "t_max": 2, "split": 1}
 
 
 def w4a16_launch(x, pack, n: int, *, out=None, route_w=None, units=None, unit_count=None, lim: float = 0.0,

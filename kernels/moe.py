@@ -56,11 +56,14 @@ def route_plan(topk_ids: torch.Tensor, n_experts: int, chunk: int) -> RoutePlan:
     return RoutePlan(tok, order, units, ucount, chunk)
 
 
-def pick_grouped_config(pairs: int, n_experts: int) -> dict:
-    """Decode-sized groups (a few tokens per expert) stream weights; prefill groups fill 64-token sub-tiles."""
+def pick_grouped_config(pairs: int, n_experts: int, widths: tuple[int, ...] = ()) -> dict:
+    """Decode-sized groups (a few tokens per expert) stream weights; prefill groups fill 64-token sub-tiles, in
+    pairs of CTAs along N sharing their activation tile where every GEMM's N (`widths`) has an even number of
+    128-row weight tiles (Pro layer at 4096 tokens on the H200: 11.4 ms, alone 12.3 ms)."""
     if pairs <= 16 * n_experts:
         return {"n_tok": 16, "t_max": 1, "tile_k": 64}
-    return {"n_tok": 64, "t_max": 2, "tile_k": 128}
+    pairs_of_tiles = bool(widths) and all((w // 128) % 2 == 0 for w in widths)
+    return {"n_tok": 64, "t_max": 2, "tile_k": 128} | ({"cluster_n": 2} if pairs_of_tiles else {})
 
 
 def moe_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, w13, w2, n_experts: int,
@@ -76,7 +79,7 @@ def moe_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, w1
     # each token's experts in increasing id: the fp32 sum below then runs in the reference's order
     topk_ids, perm = topk_ids.sort(dim=1)
     topk_w = topk_w.gather(1, perm).float()
-    cfg = dict(config or pick_grouped_config(T * k, n_experts))
+    cfg = dict(config or pick_grouped_config(T * k, n_experts, (inter2, D)))
     plan = route_plan(topk_ids, n_experts, cfg["n_tok"] * cfg.get("t_max", 1))
     xs = x.index_select(0, plan.tok).contiguous()
     rw = topk_w.reshape(-1).index_select(0, plan.order).contiguous()

@@ -105,12 +105,23 @@ def test_ptx_fp8_cluster_multicasts_a(ptx_of):
 
 
 def test_ptx_w4a16_cluster_multicasts_x(ptx_of):
-    """W4A16 prefill in clusters of two: the activation tile by a multicast TMA, each CTA's own weights by bulk
-    copies, a cluster barrier at the end."""
-    ptx = ptx_of(gemm_w4a16._build, n_tok=128, t_max=2, cluster_n=2)
+    """MoE prefill in clusters of two: the activation tile by a multicast TMA, each CTA's own weights by bulk
+    copies, a cluster barrier at the end; alone, none of it."""
+    cfg = {"n_tok": 64, "t_max": 2, "grouped": True, "tile_k": 128}
+    ptx = ptx_of(gemm_w4a16._build, **cfg, cluster_n=2)
     assert sum("cp.async.bulk.tensor" in ln and "multicast::cluster" in ln for ln in ptx.splitlines()) >= 1
     assert "cp.async.bulk.shared::cluster.global" in ptx and "barrier.cluster.wait" in ptx
-    assert "multicast" not in ptx_of(gemm_w4a16._build, n_tok=128, t_max=2)
+    alone = ptx_of(gemm_w4a16._build, **cfg)
+    assert "multicast" not in alone and "barrier.cluster" not in alone
+
+
+def test_moe_prefill_pairs_ctas_where_both_gemms_can():
+    """Prefill-sized groups run in clusters of two when both GEMMs' N have an even count of 128-row tiles (Pro:
+    2I = 6144, D = 7168), alone otherwise; decode-sized groups never."""
+    assert moe.pick_grouped_config(4096 * 6, 384, (6144, 7168))["cluster_n"] == 2
+    assert "cluster_n" not in moe.pick_grouped_config(4096 * 6, 384, (6144, 384))
+    assert "cluster_n" not in moe.pick_grouped_config(4096 * 6, 384)
+    assert "cluster_n" not in moe.pick_grouped_config(16 * 6, 384, (6144, 7168))
 
 
 def test_fp8_gemm_refuses_an_output_it_cannot_write():
