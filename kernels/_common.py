@@ -199,13 +199,18 @@ def current_stream():
 _SCRATCH: dict = {}
 
 
-def scratch(key, make):
-    """A device buffer kept for the process (split-K partials and tickets), one per key. Never freed or
-    replaced: a CUDA graph that captured a launch keeps using the buffer it saw."""
+def scratch(kind: str, device, numel: int, dtype):
+    """`numel` elements of a device buffer kept for the process (split-K partials, zeroed tickets that every
+    launch leaves zero again), shared by all launches of a kind whose size rounds up to the same power of
+    two: a decode of any token count reuses one. Never freed or replaced, since a CUDA graph that captured a
+    launch keeps using the buffer it saw. Launches on one stream only: two at once would share it."""
+    import torch
+    size = 1 << max(0, numel - 1).bit_length()
+    key = (kind, str(device), dtype, size)
     buf = _SCRATCH.get(key)
     if buf is None:
-        buf = _SCRATCH[key] = make()
-    return buf
+        buf = _SCRATCH[key] = torch.zeros(size, dtype=dtype, device=device)
+    return buf[:numel]
 
 
 def check_numel(*tensors) -> None:

@@ -3,6 +3,8 @@ shared-memory pipeline, one producer warp (warp 0 of warpgroup 0, registers give
 warpgroups of 64 rows each (WGMMA m64nNk16). A kernel class sets tile_m, tile_n, tile_k and stages, calls
 `tma_operands` in its host launcher and `operand_pipeline` then `produce` in its kernel, and writes its own
 consumer loop and epilogue (plain fp32 accumulation in compressor.py, per-block scale promotion in gemm_fp8.py).
+The pipeline and the shared-tile functions (clusters of CTAs along N multicasting one operand tile) serve
+gemm_w4a16.py too, whose weights are not TMA tiles.
 (No `from __future__ import annotations` here: cute.struct reads the Storage annotations as objects.)
 """
 import cutlass
@@ -16,7 +18,7 @@ CONSUMER_WARPS = 8          # two warpgroups
 def tma_pipeline(barriers, stages: int, tx_bytes: int, cluster_n: int = 1):
     """The TMA -> consumers pipeline over `stages` buffers: one producer thread, the consumer warps' threads.
     In a cluster of cluster_n CTAs along N, a stage is free once every CTA's consumers are done with it (each
-    CTA's A loads land in all of them), so each consumer warp releases it in every CTA of the cluster."""
+    CTA's part of the shared tile lands in all of them), so each consumer warp releases it in every CTA."""
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barriers.data_ptr(), num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),

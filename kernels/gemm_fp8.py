@@ -6,11 +6,12 @@ y[m, n] = sum_kb sa[kb, m] * sb[n / 128, kb] * sum_{k in block kb} xq[m, k] * wq
   (amax clamped below at 1e-4), xq = e4m3(x / s) with saturation, exactly what the `sim` backend's
   fp8_act_quant (dsv4_references.fp8_sim with block 128) computes, scales stored fp32 [K/128, M].
 - Weights: the checkpoint's e4m3 [N, K] as they are; the e8m0 block scales as fp32 [N/128, K/128].
-- GEMM: TMA tiles 128 x 128 x 128, or 128 x 64 x 128, with K split into parts summed in fp32 where whole
-  tiles would leave SMs idle (pick_config; one K block per pipeline stage), producer warpgroup + two consumer
-  warpgroups (64 rows each), 4 WGMMA m64nNk32 per stage into a fresh fp32 accumulator which is then
-  promoted into the main fp32 accumulator times sa * sb (DeepGEMM's per-block promotion: Hopper's FP8 WGMMA
-  accumulates with reduced precision, so no product sum runs longer than one 128-wide block).
+- GEMM: TMA tiles 128 x 128 x 128 or 128 x 64 x 128, in clusters of two CTAs along N that share (multicast)
+  their activation tile, K split into parts summed in fp32 in decode (pick_config, Fp8Config; one K block
+  per pipeline stage), producer warpgroup + two consumer warpgroups (64 rows each), 4 WGMMA m64nNk32 per
+  stage into a fresh fp32 accumulator which is then promoted into the main fp32 accumulator times sa * sb
+  (DeepGEMM's per-block promotion: Hopper's FP8 WGMMA accumulates with reduced precision, so no product sum
+  runs longer than one 128-wide block).
   Scales are powers of two, so the promotion multiply is exact. A k-tile's scales are loaded as its WGMMAs
   are queued; the epilogue stores 16 bytes a lane after a shuffle exchange within each quad (`store`).
 """
@@ -359,7 +360,7 @@ register(KernelDef("fp8_block_gemm", "linear", SM90, _build_gemm,
                    ci_configs=({"tile_n": 128, "split_k": False, "cluster_n": 2},
                                {"tile_n": 128, "split_k": True, "cluster_n": 1}),
                    doc="e4m3 x e4m3 WGMMA with 1x128 activation / 128x128 weight block scales, bf16 out, "
-                       "optionally split-K"))
+                       "split-K and clusters sharing the activation tile as configured"))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -464,10 +465,8 @@ def fp8_gemm(xq, sa, w, sb, out=None, config: Fp8Config | None = None):
     if (n // tile_n) % cluster_n:
         raise ValueError(f"fp8 GEMM cannot group {n // tile_n} tiles along N in clusters of {cluster_n}")
     if split > 1:
-        ws = scratch(("fp8_ws", xq.device, split, m, n),
-                     lambda: torch.empty(split * m * n, dtype=torch.float32, device=xq.device))
-        tickets = scratch(("fp8_tickets", xq.device, -(-m // 128), n // tile_n),
-                          lambda: torch.zeros(-(-m // 128) * (n // tile_n) * 8, dtype=torch.int32, device=xq.device))
+        ws = scratch("fp8_partials", xq.device, split * m * n, torch.float32)
+        tickets = scratch("fp8_tickets", xq.device, -(-m // 128) * (n // tile_n) * 8, torch.int32)
     else:
         ws, tickets = sa, sa                                # not read without split-K
     fn = compile_kernel("fp8_block_gemm", device_arch(xq.device), tile_n=tile_n, split_k=split > 1,

@@ -500,10 +500,8 @@ def w4a16_launch(x, pack, n: int, *, out=None, route_w=None, units=None, unit_co
            "cluster_n": cluster_n}
     fn = compile_kernel("w4a16_gemm", device_arch(x.device), **cfg)
     if split_k:
-        ws = scratch(("w4_ws", x.device, rows, n, split),
-                      lambda: torch.empty(split, rows, n, dtype=torch.float32, device=x.device))
-        tickets = scratch(("w4_tickets", x.device, n_units, n),
-                           lambda: torch.zeros(n_units * (n // 128), dtype=torch.int32, device=x.device))
+        ws = scratch("w4_partials", x.device, split * rows * n, torch.float32)
+        tickets = scratch("w4_tickets", x.device, n_units * (n // 128), torch.int32)
     else:
         ws, tickets = gscale, units
     rw = route_w if route_w is not None else gscale

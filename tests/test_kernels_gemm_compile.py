@@ -124,6 +124,17 @@ def test_moe_prefill_pairs_ctas_where_both_gemms_can():
     assert "cluster_n" not in moe.pick_grouped_config(16 * 6, 384, (6144, 7168))
 
 
+def test_split_k_scratch_is_shared_by_sizes_in_one_power_of_two():
+    """Decodes of every token count reuse one partials buffer (sizes 5 and 7 share the buffer of 8): no buffer
+    per shape piling up over a long run; another size class or kind gets its own."""
+    from dsv4_kernels._common import scratch
+    a, b = scratch("test_part", "cpu", 5, torch.float32), scratch("test_part", "cpu", 7, torch.float32)
+    assert a.numel() == 5 and b.numel() == 7 and a.data_ptr() == b.data_ptr()
+    assert scratch("test_part", "cpu", 9, torch.float32).data_ptr() != a.data_ptr()
+    assert scratch("test_tickets", "cpu", 5, torch.int32).data_ptr() != a.data_ptr()
+    assert not scratch("test_tickets", "cpu", 5, torch.int32).any()         # tickets start at zero
+
+
 def test_fp8_gemm_refuses_an_output_it_cannot_write():
     import torch
     xq, w = torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.zeros(128, 128, dtype=torch.float8_e4m3fn)
