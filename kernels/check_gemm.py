@@ -109,7 +109,7 @@ def check_fp8(preset: str, ms=(16, 4096), gen=None, do_bench=False, log=print) -
             want = (x.double() @ wd.double().T)
             simv = F.linear(sim_quant(x), wb)
             e_s = rel_l2(simv, want)
-            # every tile width, split-K and the picked configuration, each within the bar
+            # every configuration of fp8_configs (the picked one first), each within the bar
             got = {c: K.fp8_linear(x, q, sb, config=c) for c in fp8_configs(m, n, k)}
             e_k = {c: rel_l2(y, want) for c, y in got.items()}
             c_sim = {c: compare(y.float(), simv.float())["cos"] for c, y in got.items()}

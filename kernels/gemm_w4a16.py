@@ -29,6 +29,8 @@ Epilogues:
             rounded to bf16 (as the reference computes F.linear in bf16), NaN-propagating min/max.
 Split-K (dense decode): each split writes fp32 partials to a workspace; the last CTA of a row tile (atomic
 ticket) sums the partials in split order (deterministic) and runs the epilogue; it resets its ticket.
+Clusters (cluster_n = 2, MoE prefill): two CTAs along N with the same work unit share the activation tile,
+each loading half of it and multicasting it to both (kernels/_tma_gemm.py); the weights stay per CTA.
 """
 from __future__ import annotations
 
