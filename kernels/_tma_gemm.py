@@ -71,17 +71,13 @@ class TmaOperandsAB:
     """Host side and kernel prologue of a GEMM whose A and B both stream through TMA (see the module doc).
     cluster_n > 1: the grid's CTAs form clusters of cluster_n along N (grid x), which share their A tile: each
     CTA loads 1 / cluster_n of it and multicasts that part to all of them, cutting the A traffic from L2 by
-    cluster_n (the large FP8 GEMMs are bound by that traffic). Launch with `cluster=self.cluster` and end the
-    kernel with `leave_cluster(cluster_n)` in every thread."""
+    cluster_n (the large FP8 GEMMs are bound by that traffic). Launch with `cluster=[cluster_n, 1, 1]` and end
+    the kernel with `leave_cluster(cluster_n)` in every thread."""
     tile_m: int
     tile_n: int
     tile_k: int
     stages: int
     cluster_n: int = 1
-
-    @property
-    def cluster(self) -> list[int]:
-        return [self.cluster_n, 1, 1]
 
     def tma_operands(self, dtype, mA: cute.Tensor, mB: cute.Tensor):
         """(tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout) for operands of `dtype` with fp32

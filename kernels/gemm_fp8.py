@@ -24,7 +24,7 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, cute, pipeli
 from cutlass.cute.nvgpu import warpgroup
 
 from ._common import KernelDef, bits_f32, f32_bits, fake_ptr, fake_stream, fmax_nan, ld_cg_f32x2, register
-from ._tma_gemm import TmaOperandsAB, leave_cluster
+from ._tma_gemm import CONSUMER_WARPS, TmaOperandsAB, leave_cluster
 
 SM90 = ("sm_90a",)
 SMEM_BYTES = 227 * 1024
@@ -154,14 +154,15 @@ class Fp8BlockGemm(TmaOperandsAB):
         mSB = cute.make_tensor(sb_ptr, cute.make_layout((n // 128, kb), stride=(kb, 1)))
         mY = cute.make_tensor(y_ptr, cute.make_layout((m, n // 2), stride=(n // 2, 1)))
         mWs = cute.make_tensor(ws_ptr, cute.make_layout(n_split * m * n))
-        mTicket = cute.make_tensor(ticket_ptr, cute.make_layout(cute.ceil_div(m, self.tile_m) * (n // self.tile_n) * 8))
+        n_tickets = cute.ceil_div(m, self.tile_m) * (n // self.tile_n) * CONSUMER_WARPS
+        mTicket = cute.make_tensor(ticket_ptr, cute.make_layout(n_tickets))
 
         tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout = self.tma_operands(Float8E4M3FN, mA, mB)
         # grid: x over N tiles (consecutive CTAs share the activation tile), y over M tiles, z over K parts
         self.kernel(tma_a, mA_tma, tma_b, mB_tma, mSA, mSB, mY, mWs, mTicket, tiled_mma, sA_layout, sB_layout,
                     m, n, k, n_split).launch(
             grid=[n // self.tile_n, cute.ceil_div(m, self.tile_m), n_split], block=[self.threads, 1, 1],
-            cluster=self.cluster, min_blocks_per_mp=1, stream=stream)
+            cluster=[self.cluster_n, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
@@ -260,7 +261,7 @@ class Fp8BlockGemm(TmaOperandsAB):
         cute.arch.sync_warp()
         done = Int32(0)
         if lane == 0:
-            ticket = (by * (n // self.tile_n) + bx) * 8 + (warp - 4)
+            ticket = (by * (n // self.tile_n) + bx) * CONSUMER_WARPS + (warp - 4)
             done = cute.arch.atomic_add(mTicket.iterator + ticket, Int32(1), sem="acq_rel", scope="gpu")
             if done == n_split - 1:
                 mTicket[ticket] = Int32(0)                  # ready for the next launch
@@ -466,7 +467,7 @@ def fp8_gemm(xq, sa, w, sb, out=None, config: Fp8Config | None = None):
         raise ValueError(f"fp8 GEMM cannot group {n // tile_n} tiles along N in clusters of {cluster_n}")
     if split > 1:
         ws = scratch("fp8_partials", xq.device, split * m * n, torch.float32)
-        tickets = scratch("fp8_tickets", xq.device, -(-m // 128) * (n // tile_n) * 8, torch.int32)
+        tickets = scratch("fp8_tickets", xq.device, -(-m // 128) * (n // tile_n) * CONSUMER_WARPS, torch.int32)
     else:
         ws, tickets = sa, sa                                # not read without split-K
     fn = compile_kernel("fp8_block_gemm", device_arch(xq.device), tile_n=tile_n, split_k=split > 1,

@@ -11,8 +11,9 @@ first row plus its block's index. A table of sites, not of CTAs, keeps the host'
 per-CTA table of a Pro layer's batch (~7000 rows) took 0.15 ms to build and copy, and the launch waited for
 the GPU wherever the GPU ran behind (2 ms a launch; the site table's does not: H200, 2026-12-03). A site's
 rows are its consecutive blocks, which the host combines with `tensorstats.combine_segments` as it does the
-eager chunks. Counts, extremes and the first index are exact; sums accumulate the values (bf16 and fp32 widened exactly, fp64 as they
-are) in float64 per thread, then through a shared-memory tree, so they match eager's float64 sums to rounding.
+eager chunks. Counts, extremes and the first index are exact; sums accumulate the values (bf16 and fp32
+widened exactly, fp64 as they are) in float64 per thread, then through a shared-memory tree, so they match
+eager's float64 sums to rounding.
 Non-finite by the exponent bits (all ones), NaN when the mantissa is also non-zero.
 """
 from __future__ import annotations
