@@ -10,6 +10,7 @@ Phases (each writes DIR/<phase>.json; the driver then writes DIR/gemm.json and p
          grouped MoE vs the reference, cos >= 0.999)
   bench  FP8 linear and NVFP4 W4A16 linear against cuBLAS BF16 on the dequantised weights (M = 1..4096)
   moe    the Pro MoE layer (384 experts, top-6; 256 and 4096 tokens) against a loop of per-expert cuBLAS BF16
+  decode the W4A16 rows of bench at M = 1 and 16 only (every decode configuration of both kernels timed)
 A hung or crashing kernel costs one phase (timeout), not the run.
 """
 from __future__ import annotations
@@ -24,8 +25,8 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PHASES = ("smoke", "bench", "moe", "check")
-TIMEOUTS = {"smoke": 100, "bench": 170, "moe": 140, "check": 120}   # one device call: < 600 s
+PHASES = ("smoke", "bench", "moe", "check", "decode")
+TIMEOUTS = {"smoke": 100, "bench": 170, "moe": 140, "check": 120, "decode": 120}   # one device call: < 600 s
 
 
 def log(msg: str) -> None:
@@ -57,9 +58,10 @@ def probe_w4(n: int, k: int, m: int, config: dict, gen) -> dict:
     q, ws, s2, wd = rand_nvfp4_weight(n, k, gen)
     pack = w4_pack.pack_nvfp4(q, ws, s2)
     x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
-    x[torch.arange(m), torch.arange(m) % k] = 1.0
+    cols = torch.arange(m) * max(1, k // m) % k                       # spread over every K split
+    x[torch.arange(m), cols] = 1.0
     got = K.w4a16_linear(x, pack, n, config=config).float()          # [m, n]
-    want = wd[:, torch.arange(m) % k].T.contiguous()                  # [m, n] fp32 (exact values)
+    want = wd[:, cols].T.contiguous()                                 # [m, n] fp32 (exact values)
     bad = ((got - want).abs() > want.abs() * 2.0 ** -7).nonzero()     # more than one bf16 rounding away
     res = {"config": str(config), "n": n, "k": k, "m": m, "mismatches": int(bad.shape[0]),
            "nan": int((~torch.isfinite(got)).sum())}
@@ -86,7 +88,8 @@ def phase_smoke() -> dict:
                             ("fp8_cluster", "fp8_block_gemm", {"cluster_n": 2}),
                             ("w4_decode", "w4a16_gemm", {"n_tok": 16}),
                             ("w4_split", "w4a16_gemm", {"n_tok": 16, "split_k": True}),
-                            ("w4_wide", "w4a16_gemm", {"n_tok": 128, "t_max": 2})):
+                            ("w4_wide", "w4a16_gemm", {"n_tok": 128, "t_max": 2}),
+                            ("w4_gemv", "w4a16_gemv", {"tok_tiles": 2, "chunks": 4, "split_k": True})):
         from dsv4_kernels._common import compile_kernel
         t = time.perf_counter()
         _try(r, f"compile_{name}", lambda kern=kern, cfg=cfg: compile_kernel(kern, "sm_90a", **cfg) and True)
@@ -114,7 +117,9 @@ def phase_smoke() -> dict:
     def w4_probe():
         return [probe_w4(256, 128, 16, {"n_tok": 16}, gen),
                 probe_w4(256, 256, 16, {"n_tok": 16, "split_k": True, "split": 2}, gen),
-                probe_w4(256, 256, 256, {"n_tok": 128, "t_max": 2}, gen)]
+                probe_w4(256, 256, 256, {"n_tok": 128, "t_max": 2}, gen),
+                probe_w4(256, 1024, 16, {"gemv": True, "split": 4}, gen),
+                probe_w4(384, 512, 5, {"gemv": True, "split": 1}, gen)]
 
     def w4_rand():
         out = []
@@ -186,6 +191,17 @@ def phase_bench() -> dict:
     return r
 
 
+def phase_decode() -> dict:
+    import torch
+    from dsv4_kernels import check_gemm as C
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    r: dict = {}
+    _try(r, "copy", C.time_copy_bandwidth)
+    for preset in ("pro", "flash"):
+        _try(r, f"w4_{preset}", lambda preset=preset: C.bench_w4(preset, ms=(1, 16), gen=gen, log=log))
+    return r
+
+
 def phase_moe() -> dict:
     import torch
     from dsv4_kernels import check_gemm as C
@@ -205,7 +221,8 @@ def run_phase(name: str, out: Path) -> None:
     t0 = time.perf_counter()
     from dsv4_kernels.check import environment
     res = {"phase": name, "env": environment()}
-    res |= {"smoke": phase_smoke, "check": phase_check, "bench": phase_bench, "moe": phase_moe}[name]()
+    res |= {"smoke": phase_smoke, "check": phase_check, "bench": phase_bench, "moe": phase_moe,
+            "decode": phase_decode}[name]()
     res["seconds"] = round(time.perf_counter() - t0, 1)
     (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
 
@@ -219,8 +236,9 @@ def summary(doc: dict) -> list[str]:
         lines.append(f"check {row.get('preset')} {row.get('op')} {row.get('case', '')}: "
                      f"{'PASS' if row.get('passed') else 'FAIL'} cos={row.get('cos')} {row.get('note', '')[:90]}"
                      + (f" {row.get('error', '')[:200]}" if row.get("error") else ""))
-    b = doc.get("bench", {})
-    for key in ("w4_pro", "w4_flash", "fp8_pro", "fp8_flash"):
+    for phase, key in [("bench", k) for k in ("w4_pro", "w4_flash", "fp8_pro", "fp8_flash")] + [
+            ("decode", "w4_pro"), ("decode", "w4_flash")]:
+        b = doc.get(phase, {})
         for r in b.get(key, []) if isinstance(b.get(key), list) else [b.get(key)]:
             if isinstance(r, dict) and "us" in r:
                 lines.append(f"{r['kind']} {r['preset']} {r['name']} M={r['m']}: {r['us']:.1f} us vs cuBLAS bf16 "

@@ -41,15 +41,18 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.experimental import primitives as prims
 
 from ._common import (
+    BOTH,
     KernelDef,
     fake_ptr,
     fake_stream,
     fmax_nan,
     fmin_nan,
     ld_cg_f32,
+    ld_cg_f32x2,
     register,
     scratch,
     sm_count,
+    split_ticket,
 )
 from ._tma_gemm import leave_cluster, load, multicast_op, shared_tile_partition, tma_pipeline
 
@@ -57,6 +60,7 @@ SM90 = ("sm_90a",)
 SMEM_BYTES = 227 * 1024
 CHUNK_WORDS = 4 * 32 * 4          # uint32 words of one (64-row block, 64-wide K chunk) of the blob
 CHUNK_SBYTES = 4 * 8 * 8          # scale bytes of one (64-row block, chunk)
+GEMV_MAX_CHUNKS = 16              # K chunks of one warp in the decode kernel (all in shared memory at once)
 SCALE_BIAS_BITS = (236 << 7) | (236 << 23)
 
 
@@ -412,6 +416,169 @@ class W4A16Gemm:
 
 
 # --------------------------------------------------------------------------------------------------------
+# Decode (M <= 16): warp-level MMAs, every weight load of a warp in flight at once
+# --------------------------------------------------------------------------------------------------------
+
+def ld_shared_v4(addr: Int32):
+    return cute.arch.inline_ptx("ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Uint32] * 4, read_only_args=[addr])
+
+
+def ld_shared_v2(addr: Int32):
+    return cute.arch.inline_ptx("ld.shared.v2.u32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32] * 2,
+                                read_only_args=[addr])
+
+
+def cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32):
+    """16 bytes global -> shared, bypassing L1; the bytes past src_bytes (all 16 for 0) are written as zero."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
+                         read_only_args=[smem_addr, gmem_addr, src_bytes])
+
+
+def ldmatrix(smem_addr: Int32, count: int):
+    """`count` (2 or 4) 8x8 bf16 matrices from shared memory, lane i addressing row i % 8 of matrix i / 8."""
+    regs = ", ".join(f"{{$w{i}}}" for i in range(count))
+    return cute.arch.inline_ptx(f"ldmatrix.sync.aligned.m8n8.x{count}.shared.b16 {{{regs}}}, [{{$r0}}];",
+                                write_only_types=[Uint32] * count, read_only_args=[smem_addr])
+
+
+def mma_bf16_16816(a: tuple, b: tuple, c: tuple):
+    """D = A B + C, one m16n8k16 bf16 MMA with fp32 accumulators (4 A, 2 B, 4 C registers a lane)."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
+
+
+class W4A16Gemv:
+    """Dense W4A16 for M <= 16 tokens (decode), on the same packed weights as W4A16Gemm.
+
+    A warp owns 16 weight rows and `chunks` 64-wide K chunks. Every byte a CTA needs is requested at its start
+    by cp.async into shared memory, one commit group per chunk (x's K range first: 16 or 8 token rows, zero
+    past M), so 8 x chunks x 576 bytes a CTA are in flight at once and no register holds them (ptxas sinks
+    register loads to their use). Each chunk is computed as soon as its group lands: per k16 block one
+    fragment word is decoded into the mma.sync A registers (the fragment order of the WGMMA kernel is also
+    that of m16n8k16), x's B fragments come by one ldmatrix, one MMA per 8 tokens. The WGMMA kernel spent
+    ~5.6 us a CTA on set-up, pipeline and tail at M = 16 with one 384-thread CTA an SM; here several small
+    CTAs share an SM.
+
+    CTA = 8 warps = 128 weight rows (two 64-row blocks of the blob); grid = (N / 128, K splits). With splits,
+    each warp writes its fp32 fragment to a workspace and the warp that completes a slab's last part (a
+    ticket per 16 rows) sums the parts in split order (deterministic) and stores bf16 out.
+    """
+    threads = 256
+
+    def __init__(self, tok_tiles: int, chunks: int, split_k: bool):
+        if tok_tiles not in (1, 2):
+            raise ValueError("tok_tiles must be 1 (M <= 8) or 2 (M <= 16)")
+        if not 1 <= chunks <= GEMV_MAX_CHUNKS:
+            raise ValueError(f"chunks per warp must be in [1, {GEMV_MAX_CHUNKS}]")
+        self.tok_tiles, self.chunks, self.split_k = tok_tiles, chunks, split_k
+        self.tokens = 8 * tok_tiles
+        self.row = chunks * 64 + 8        # smem row of x in bf16: padded so ldmatrix's 8 rows miss each other's banks
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, blob_ptr: cute.Pointer, sblob_ptr: cute.Pointer, gs_ptr: cute.Pointer,
+                 out_ptr: cute.Pointer, ws_ptr: cute.Pointer, ticket_ptr: cute.Pointer,
+                 rows: Int32, n: Int32, k: Int32, n_split: Int32, stream):
+        mOut = cute.make_tensor(out_ptr, cute.make_layout((rows, n), stride=(n, 1)))
+        warp_chunks = 8 * self.chunks
+
+        @cute.struct
+        class Storage:
+            sW: cute.struct.Align[cute.struct.MemRange[Uint32, warp_chunks * 128], 128]     # [warp, chunk, lane, 4]
+            sS: cute.struct.Align[cute.struct.MemRange[Uint32, warp_chunks * 16], 128]      # [warp, chunk, g, 2]
+            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, self.tokens * self.row], 128]
+
+        self.storage = Storage
+        self.kernel(x_ptr, blob_ptr, sblob_ptr, gs_ptr, mOut, ws_ptr, ticket_ptr, rows, n, k, n_split).launch(
+            grid=[n // 128, n_split, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, x_ptr: cute.Pointer, blob_ptr: cute.Pointer, sblob_ptr: cute.Pointer, gs_ptr: cute.Pointer,
+               mOut: cute.Tensor, ws_ptr: cute.Pointer, ticket_ptr: cute.Pointer, rows: Int32, n: Int32, k: Int32,
+               n_split: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, bz, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        g = lane // 4
+        q = lane % 4
+        kc = k // 64
+        slab = bx * 8 + warp                               # 16-row slab = (64-row block, warp in the block)
+        c0 = bz * self.chunks
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.storage)
+        sw = st.sW.data_ptr().toint() + (warp * self.chunks * 128 + lane * 4) * 4
+        ss = st.sS.data_ptr().toint() + warp * self.chunks * 64
+        sx = st.sX.data_ptr().toint()
+
+        # ---- group 0: x[:, c0 * 64 : (c0 + chunks) * 64] -> shared memory, token rows past M zero ----
+        per_row = self.chunks * 8                          # 16-byte pieces of a token row
+        for i in cutlass.range_constexpr(-(-self.tokens * per_row // self.threads)):
+            piece = tidx + i * self.threads
+            t = piece // per_row
+            v = piece % per_row
+            if piece < self.tokens * per_row:
+                src = x_ptr.toint() + Int64(cutlass.min(t, rows - 1) * k + c0 * 64 + v * 8) * 2
+                cp_async_16(sx + (t * self.row + v * 8) * 2, src, cutlass.select_(t < rows, Int32(16), Int32(0)))
+        cute.arch.cp_async_commit_group()
+        # ---- groups 1..chunks: the warp's fragments (16 bytes a lane) and scales (64 bytes a warp) ----
+        blob = blob_ptr.toint() + Int64((slab // 4 * kc + c0) * CHUNK_WORDS + slab % 4 * 128 + lane * 4) * 4
+        sblob = sblob_ptr.toint() + Int64((slab // 4 * kc + c0) * CHUNK_SBYTES + slab % 4 * 64 + lane * 16)
+        for c in cutlass.range_constexpr(self.chunks):
+            cp_async_16(sw + c * 512, blob + c * CHUNK_WORDS * 4, Int32(16))
+            if lane < 4:
+                cp_async_16(ss + c * 64 + lane * 16, sblob + c * CHUNK_SBYTES, Int32(16))
+            cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(self.chunks)
+        cute.arch.barrier()                                # x is read by every warp
+
+        # ---- MMAs: lane i addresses row i % 8 of matrix i / 8 = (tokens 8 * (i / 16) + ..., k half (i / 8) % 2)
+        tok = lane % 8 + (lane // 16) * 8 if const_expr(self.tok_tiles == 2) else lane % 8
+        b_addr = sx + (tok * self.row + (lane // 8) % 2 * 8) * 2
+        acc = [[Float32(0.0)] * 4 for _ in range(self.tok_tiles)]
+        for c in cutlass.range_constexpr(self.chunks):
+            cute.arch.cp_async_wait_group(self.chunks - 1 - c)
+            cute.arch.sync_warp()                          # scales were copied by lanes 0-3
+            words = ld_shared_v4(sw + c * 512)
+            scales = ld_shared_v2(ss + c * 64 + g * 8)
+            for j in cutlass.range_constexpr(4):
+                s_r = scale_pair(scales[j // 2], 2 * (j % 2))
+                s_r8 = scale_pair(scales[j // 2], 2 * (j % 2) + 1)
+                a = decode_word(words[j], s_r, s_r8)
+                b = ldmatrix(b_addr + (c * 64 + j * 16) * 2, 2 * self.tok_tiles)
+                for t in cutlass.range_constexpr(self.tok_tiles):
+                    acc[t] = list(mma_bf16_16816(a, b[2 * t:2 * t + 2], acc[t]))
+
+        # ---- split-K: parts summed in split order by the warp that completes the slab ----
+        nv = 4 * self.tok_tiles
+        vals = cute.make_rmem_tensor(nv, Float32)         # value 4t + 2h + e: row g + 8h, token 8t + 2q + e
+        for i in cutlass.range_constexpr(nv):
+            vals[i] = acc[i // 4][i % 4]
+        last = True
+        if const_expr(self.split_k):
+            part = n * self.tokens                         # floats of one part: every slab's fragments
+            frag = (slab * 32 + lane) * nv
+            cute.autovec_copy(vals, cute.make_tensor(ws_ptr + cute.assume(bz * part + frag, divby=4),
+                                                     cute.make_layout(nv)))
+            last = split_ticket(ticket_ptr + slab, n_split, lane)
+            if last:
+                vals.fill(0.0)
+                for z in cutlass.range(n_split, unroll=4):
+                    for i in cutlass.range_constexpr(nv // 2):
+                        v0, v1 = ld_cg_f32x2((ws_ptr + z * part + frag + 2 * i).toint())
+                        vals[2 * i] = vals[2 * i] + v0
+                        vals[2 * i + 1] = vals[2 * i + 1] + v1
+        if last:
+            gs = cute.make_tensor(gs_ptr, cute.make_layout(1))[0]
+            for i in cutlass.range_constexpr(nv):
+                token = 8 * (i // 4) + 2 * q + i % 2
+                if token < rows:
+                    mOut[token, slab * 16 + g + 8 * (i % 4 // 2)] = (vals[i] * gs).to(BFloat16)
+
+
+# --------------------------------------------------------------------------------------------------------
 # Registry and launcher
 # --------------------------------------------------------------------------------------------------------
 
@@ -443,25 +610,32 @@ register(KernelDef(
     doc="NVFP4 x bf16 WGMMA GEMM, weights decoded in registers (swap-AB), dense/grouped, SwiGLU epilogue"))
 
 
+def _build_gemv(tok_tiles: int, chunks: int, split_k: bool):
+    kern = W4A16Gemv(tok_tiles, chunks, split_k)
+    args = (fake_ptr(BFloat16), fake_ptr(Uint32), fake_ptr(Uint8, 16), fake_ptr(Float32, 4), fake_ptr(BFloat16),
+            fake_ptr(Float32), fake_ptr(Int32, 4), Int32(16), Int32(3072), Int32(7168), Int32(1), fake_stream())
+    return kern, args
+
+
+register(KernelDef(
+    "w4a16_gemv", "linear", BOTH, _build_gemv,
+    # Pro and Flash expert shapes at their picked splits (pick_gemv_split), 1 and 2 token tiles
+    configs=({"tok_tiles": 2, "chunks": 14, "split_k": True}, {"tok_tiles": 1, "chunks": 14, "split_k": True},
+             {"tok_tiles": 2, "chunks": 12, "split_k": True}, {"tok_tiles": 2, "chunks": 8, "split_k": True},
+             {"tok_tiles": 2, "chunks": 8, "split_k": False}),
+    ci_configs=({"tok_tiles": 2, "chunks": 14, "split_k": True}, {"tok_tiles": 1, "chunks": 8, "split_k": False}),
+    doc="NVFP4 x bf16 decode GEMM (M <= 16): mma.sync on in-register decoded weights, split-K"))
+
+
 # --------------------------------------------------------------------------------------------------------
 # Torch launchers
 # --------------------------------------------------------------------------------------------------------
 
 def pick_dense_config(m: int, n: int, k: int, sms: int) -> dict:
-    """Kernel configuration for a dense W4A16 GEMM of m tokens (decode: split-K; prefill: wide token tiles).
-    Decode splits K into the most parts that keep one wave of CTAs on `sms` SMs (one CTA fits an SM) and >= 4
-    chunks each, in 128-wide K stages where they divide a split: the fastest on the H200 for all four expert
-    shapes (benchmarks/results/gemm.json, bench_w4_tile_k)."""
+    """Kernel configuration for a dense W4A16 GEMM of m tokens (decode: the mma.sync kernel, split-K;
+    prefill: wide token tiles)."""
     if m <= 16:
-        kc = k // 64
-        tiles = n // 128
-        split = 1
-        for s in (16, 8, 4, 2):
-            if kc % s == 0 and tiles * s <= sms and kc // s >= 4:
-                split = s
-                break
-        wide = {"tile_k": 128} if kc % (2 * split) == 0 else {}
-        return {"n_tok": 16, "split_k": split > 1, "split": split} | wide
+        return {"gemv": True, "split": pick_gemv_split(n, k, sms)}
     if m <= 64:
         return {"n_tok": 64, "split": 1}
     # prefill: 256 tokens a CTA. Clusters sharing the activation tile gained nothing here on the H200 (Pro w1
@@ -515,10 +689,56 @@ def w4a16_launch(x, pack, n: int, *, out=None, route_w=None, units=None, unit_co
     return out
 
 
+def gemv_splits(k: int) -> list[int]:
+    """The K splits the decode GEMV can run: each part a whole number of chunks, at most GEMV_MAX_CHUNKS."""
+    kc = k // 64
+    return [s for s in range(1, kc + 1) if kc % s == 0 and kc // s <= GEMV_MAX_CHUNKS]
+
+
+def pick_gemv_split(n: int, k: int, sms: int) -> int:
+    """The fewest K splits that give every SM two CTAs (a CTA's bytes are all in flight from its start, so
+    more CTAs than that only add partial sums), or the most splits where even those fall short."""
+    splits = gemv_splits(k)
+    return next((s for s in splits if n // 128 * s >= 2 * sms), splits[-1])
+
+
+def w4a16_gemv(x, pack, n: int, split: int | None = None, out=None):
+    """x [M <= 16, K] bf16 @ W^T for one packed NVFP4 weight W [n, K] -> [M, n] bf16 (the decode kernel)."""
+    import torch
+
+    from ._common import compile_kernel, current_stream, device_arch, ptr
+    blob, sblob, gscale = pack
+    rows, k = x.shape
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError("W4A16 takes contiguous bf16 activations")
+    if not 0 < rows <= 16:
+        raise ValueError(f"the W4A16 decode kernel takes 1 to 16 tokens, not {rows}")
+    if blob.shape[0] != 1 or blob.shape[1] * 64 != n or blob.shape[2] * 64 != k:
+        raise ValueError(f"packed weight is {blob.shape[0]} x {blob.shape[1] * 64}x{blob.shape[2] * 64}, GEMM asks "
+                         f"one {n}x{k}")
+    split = split or pick_gemv_split(n, k, sm_count(x.device))
+    if split not in gemv_splits(k):
+        raise ValueError(f"split {split} is not one of the decode kernel's splits of K = {k}: {gemv_splits(k)}")
+    tok_tiles = 1 if rows <= 8 else 2
+    if out is None:
+        out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
+    fn = compile_kernel("w4a16_gemv", device_arch(x.device), tok_tiles=tok_tiles, chunks=k // 64 // split,
+                        split_k=split > 1)
+    ws = scratch("w4_gemv_partials", x.device, split * n * 8 * tok_tiles, torch.float32)
+    tickets = scratch("w4_gemv_tickets", x.device, n // 16, torch.int32)
+    fn(ptr(x), ptr(blob, cutlass.Uint32), ptr(sblob, cutlass.Uint8), ptr(gscale, align=4), ptr(out),
+       ptr(ws, cutlass.Float32), ptr(tickets, cutlass.Int32, align=4), Int32(rows), Int32(n), Int32(k),
+       Int32(split), current_stream())
+    return out
+
+
 def w4a16_linear(x, pack, n: int, config: dict | None = None, out=None):
     """x [..., K] bf16 @ W^T for one packed NVFP4 weight W [n, K] -> [..., n] bf16 (dense)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     cfg = dict(config or pick_dense_config(x2.shape[0], n, shape[-1], sm_count(x.device)))
-    y = w4a16_launch(x2, pack, n, out=out, **cfg)
+    if cfg.pop("gemv", False):
+        y = w4a16_gemv(x2, pack, n, out=out, **cfg)
+    else:
+        y = w4a16_launch(x2, pack, n, out=out, **cfg)
     return y.view(*shape[:-1], n)

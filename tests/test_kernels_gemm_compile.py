@@ -22,14 +22,17 @@ from dsv4debug.formats import (
     nvfp4_quantize,
 )
 
-CI = [("fp8_act_quant", {})] + [("fp8_block_gemm", c) for c in REGISTRY["fp8_block_gemm"].configs] + [("w4a16_gemm", c) for c in REGISTRY["w4a16_gemm"].ci()]
+CI = ([("fp8_act_quant", {})] + [("fp8_block_gemm", c) for c in REGISTRY["fp8_block_gemm"].configs]
+      + [("w4a16_gemm", c) for c in REGISTRY["w4a16_gemm"].ci()] + [("w4a16_gemv", c) for c in REGISTRY["w4a16_gemv"].ci()])
+CI_ARCH = [(n, c, a) for n, c in CI for a in REGISTRY[n].archs]
 
 
-@pytest.mark.parametrize("name,cfg", CI, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in c.items())}" for n, c in CI])
-def test_compiles_for_hopper(name, cfg):
+@pytest.mark.parametrize("name,cfg,arch", CI_ARCH,
+                         ids=[f"{n}-{a}-{'-'.join(f'{k}{v}' for k, v in c.items())}" for n, c, a in CI_ARCH])
+def test_compiles_for_each_declared_arch(name, cfg, arch):
     from dsv4_kernels import _common
-    _common._CACHE.pop((name, _common.config_key(cfg), "sm_90a"), None)
-    assert compile_kernel(name, "sm_90a", **cfg) is not None
+    _common._CACHE.pop((name, _common.config_key(cfg), arch), None)
+    assert compile_kernel(name, arch, **cfg) is not None
 
 
 def test_wgmma_kernels_are_hopper_only():
@@ -56,6 +59,24 @@ def test_ptx_wgmma_groups_have_no_branch(cfg, ptx_of):
     ptx = ptx_of(gemm_w4a16._build, **cfg)
     groups = re.findall(r"wgmma\.fence\.sync\.aligned;(.*?)wgmma\.commit_group", ptx, re.DOTALL)
     assert groups and all("wgmma.mma_async" in g and not re.search(r"\bbra\b", g) for g in groups)
+
+
+@pytest.mark.parametrize("tok_tiles", [1, 2])
+def test_ptx_gemv_requests_every_byte_before_its_first_mma(tok_tiles, ptx_of):
+    """The decode kernel: all of a warp's fragment and scale copies (and x's) are issued as cp.async groups
+    before the first MMA, one group a chunk waited on in order; per k16 block one ldmatrix and one
+    m16n8k16 MMA per 8 tokens; no local memory."""
+    chunks = 6
+    ptx = ptx_of(gemm_w4a16._build_gemv, tok_tiles=tok_tiles, chunks=chunks, split_k=True)
+    mma = [m.start() for m in re.finditer(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)]
+    assert len(mma) == 4 * chunks * tok_tiles
+    assert ptx.count(f"ldmatrix.sync.aligned.m8n8.x{2 * tok_tiles}.shared.b16") == 4 * chunks
+    copies = [m.start() for m in re.finditer(r"cp\.async\.cg\.shared\.global", ptx)]
+    assert len(copies) >= 2 * chunks and max(copies) < min(mma)
+    assert ptx.count("cp.async.commit_group") == chunks + 1
+    waits = [int(w) for w in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)]
+    assert waits == [chunks] + list(range(chunks - 1, -1, -1))
+    assert ".local" not in ptx and "e2m1" not in ptx
 
 
 def test_ptx_split_k_sum_keeps_loads_in_flight(ptx_of):
@@ -152,6 +173,24 @@ def test_invalid_configs_are_refused():
         gemm_w4a16.W4A16Gemm(n_tok=16, grouped=True, split_k=True)
     with pytest.raises(ValueError):
         gemm_fp8.Fp8BlockGemm(tile_n=256)
+    with pytest.raises(ValueError, match="tok_tiles"):
+        gemm_w4a16.W4A16Gemv(3, 4, False)
+    with pytest.raises(ValueError, match="chunks"):
+        gemm_w4a16.W4A16Gemv(2, gemm_w4a16.GEMV_MAX_CHUNKS + 1, True)
+
+
+def test_gemv_launcher_refuses_what_it_cannot_run():
+    pack = (torch.zeros(1, 4, 16, 4, 32, 4, dtype=torch.int32), torch.zeros(1, 4, 16, 4, 8, 8, dtype=torch.uint8),
+            torch.ones(1))                                                     # a [256, 1024] weight
+    x = torch.zeros(17, 1024, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="1 to 16 tokens"):
+        gemm_w4a16.w4a16_gemv(x, pack, 256, split=1)
+    with pytest.raises(ValueError, match="splits of K = 1024"):
+        gemm_w4a16.w4a16_gemv(x[:4], pack, 256, split=3)
+    with pytest.raises(ValueError, match="GEMM asks"):
+        gemm_w4a16.w4a16_gemv(x[:4], pack, 512, split=1)
+    assert gemm_w4a16.gemv_splits(1024) == [1, 2, 4, 8, 16]
+    assert gemm_w4a16.gemv_splits(7168) == [7, 8, 14, 16, 28, 56, 112]
 
 
 def test_fp8_config_fills_the_sms():
@@ -286,6 +325,10 @@ def test_route_plan_units_cover_every_row_once():
 @pytest.mark.parametrize("n,k", [(3072, 7168), (7168, 3072), (2048, 4096), (4096, 2048), (6144, 7168)])
 def test_dense_configs_are_legal(m, n, k):
     cfg = gemm_w4a16.pick_dense_config(m, n, k, 132)
+    if cfg.get("gemv"):
+        assert m <= 16 and cfg["split"] in gemm_w4a16.gemv_splits(k)
+        gemm_w4a16.W4A16Gemv(1 if m <= 8 else 2, k // 64 // cfg["split"], cfg["split"] > 1)
+        return
     split, tile_k = cfg.get("split", 1), cfg.get("tile_k", 64)
     assert (k // 64) % (split * (tile_k // 64)) == 0
     assert cfg.get("split_k", False) == (split > 1)
