@@ -89,7 +89,7 @@ def phase_smoke() -> dict:
                             ("w4_decode", "w4a16_gemm", {"n_tok": 16}),
                             ("w4_split", "w4a16_gemm", {"n_tok": 16, "split_k": True}),
                             ("w4_wide", "w4a16_gemm", {"n_tok": 128, "t_max": 2}),
-                            ("w4_gemv", "w4a16_gemv", {"tok_tiles": 2, "chunks": 4, "split_k": True})):
+                            ("w4_gemv", "w4a16_gemv", {"tok_tiles": 2, "chunks": 4, "split": 4})):
         from dsv4_kernels._common import compile_kernel
         t = time.perf_counter()
         _try(r, f"compile_{name}", lambda kern=kern, cfg=cfg: compile_kernel(kern, "sm_90a", **cfg) and True)

@@ -287,25 +287,6 @@ def ld_cg_f32x2(addr: Int64):
                                 read_only_args=[addr])
 
 
-@cute.jit
-def split_ticket(ticket: cute.Pointer, n_split: Int32, lane: Int32):
-    """Split-K, one ticket per warp's set of output values: call after the warp has written its part. Counts
-    the part; true (uniform across the warp) in the warp that completes the last one, which may then read
-    every part and finds the ticket reset for the next launch. A warp's values are the same set in every
-    part, so warps never wait for each other."""
-    cute.arch.fence_acq_rel_gpu()
-    cute.arch.sync_warp()
-    done = Int32(0)
-    if lane == 0:
-        done = cute.arch.atomic_add(ticket, Int32(1), sem="acq_rel", scope="gpu")
-        if done == n_split - 1:
-            cute.make_tensor(ticket, cute.make_layout(1))[0] = Int32(0)
-    last = cute.arch.shuffle_sync(done, 0) == n_split - 1
-    if last:
-        cute.arch.fence_acq_rel_gpu()
-    return last
-
-
 def group_sum(val, threads: int):
     """Sum over aligned groups of `threads` lanes (a power of two <= 32) by butterfly shuffles."""
     offset = threads // 2

@@ -331,8 +331,8 @@ def _w4_candidates(m: int, n: int, k: int, tune: bool) -> list[dict]:
     cands = [pick_dense_config(m, n, k, sm_count("cuda"))]
     if tune and m <= 16:
         from .gemm_w4a16 import gemv_splits
-        cands += [{"gemv": True, "split": sp} for sp in gemv_splits(k)
-                  if k // 64 // sp >= 3 and {"gemv": True, "split": sp} not in cands]
+        cands += [c for sp in gemv_splits(k) for c in ({"gemv": True, "split": sp},
+                                                       {"gemv": True, "split": sp, "warps": 4}) if c not in cands]
         kc = k // 64
         for sp in (1, 2, 4, 8, 16):
             for tile_k in (64, 128):

@@ -48,11 +48,9 @@ from ._common import (
     fmax_nan,
     fmin_nan,
     ld_cg_f32,
-    ld_cg_f32x2,
     register,
     scratch,
     sm_count,
-    split_ticket,
 )
 from ._tma_gemm import leave_cluster, load, multicast_op, shared_tile_partition, tma_pipeline
 
@@ -61,6 +59,7 @@ SMEM_BYTES = 227 * 1024
 CHUNK_WORDS = 4 * 32 * 4          # uint32 words of one (64-row block, 64-wide K chunk) of the blob
 CHUNK_SBYTES = 4 * 8 * 8          # scale bytes of one (64-row block, chunk)
 GEMV_MAX_CHUNKS = 16              # K chunks of one warp in the decode kernel (all in shared memory at once)
+GEMV_MAX_SPLIT = 8                # K parts of the decode kernel: one cluster (8 CTAs is the portable maximum)
 SCALE_BIAS_BITS = (236 << 7) | (236 << 23)
 
 
@@ -435,6 +434,21 @@ def cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32):
                          read_only_args=[smem_addr, gmem_addr, src_bytes])
 
 
+def st_shared_v4(addr: Int32, vals: list):
+    cute.arch.inline_ptx("st.shared.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[addr, *vals])
+
+
+def mapa(addr: Int32, rank: Int32) -> Int32:
+    """The shared::cluster address of this CTA's shared-memory `addr` in cluster CTA `rank`."""
+    return cute.arch.inline_ptx("mapa.shared::cluster.u32 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
+                                read_only_args=[addr, rank])
+
+
+def ld_cluster_v4(addr: Int32):
+    return cute.arch.inline_ptx("ld.shared::cluster.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Float32] * 4, read_only_args=[addr])
+
+
 def ldmatrix(smem_addr: Int32, count: int):
     """`count` (2 or 4) 8x8 bf16 matrices from shared memory, lane i addressing row i % 8 of matrix i / 8."""
     regs = ", ".join(f"{{$w{i}}}" for i in range(count))
@@ -455,63 +469,68 @@ class W4A16Gemv:
 
     A warp owns 16 weight rows and `chunks` 64-wide K chunks. Every byte a CTA needs is requested at its start
     by cp.async into shared memory, one commit group per chunk (x's K range first: 16 or 8 token rows, zero
-    past M), so 8 x chunks x 576 bytes a CTA are in flight at once and no register holds them (ptxas sinks
+    past M), so warps x chunks x 576 bytes a CTA are in flight at once and no register holds them (ptxas sinks
     register loads to their use). Each chunk is computed as soon as its group lands: per k16 block one
     fragment word is decoded into the mma.sync A registers (the fragment order of the WGMMA kernel is also
-    that of m16n8k16), x's B fragments come by one ldmatrix, one MMA per 8 tokens. The WGMMA kernel spent
-    ~5.6 us a CTA on set-up, pipeline and tail at M = 16 with one 384-thread CTA an SM; here several small
-    CTAs share an SM.
+    that of m16n8k16), x's B fragments come by one ldmatrix, one MMA per 8 tokens.
 
-    CTA = 8 warps = 128 weight rows (two 64-row blocks of the blob); grid = (N / 128, K splits). With splits,
-    each warp writes its fp32 fragment to a workspace and the warp that completes a slab's last part (a
-    ticket per 16 rows) sums the parts in split order (deterministic) and stores bf16 out.
+    CTA = `warps` warps = 16 x warps weight rows; grid = (N / rows, split), the `split` CTAs of a row tile (its K
+    parts) forming one cluster. Each puts its fp32 fragments in its shared memory; after a cluster barrier, warp
+    w of cluster rank w % split sums slab w's parts over the ranks in order (distributed shared memory loads:
+    deterministic, no workspace, no atomics; a global split-K tail of fence, ticket and loads cost ~2.5 us
+    on the H200, a third of the kernel) and stores bf16 out.
     """
-    threads = 256
 
-    def __init__(self, tok_tiles: int, chunks: int, split_k: bool):
+    def __init__(self, tok_tiles: int, chunks: int, split: int, warps: int = 8):
         if tok_tiles not in (1, 2):
             raise ValueError("tok_tiles must be 1 (M <= 8) or 2 (M <= 16)")
         if not 1 <= chunks <= GEMV_MAX_CHUNKS:
             raise ValueError(f"chunks per warp must be in [1, {GEMV_MAX_CHUNKS}]")
-        self.tok_tiles, self.chunks, self.split_k = tok_tiles, chunks, split_k
+        if not 1 <= split <= GEMV_MAX_SPLIT:
+            raise ValueError(f"split must be in [1, {GEMV_MAX_SPLIT}] (one cluster)")
+        if warps not in (4, 8):
+            raise ValueError("warps must be 4 or 8")
+        self.tok_tiles, self.chunks, self.split, self.warps = tok_tiles, chunks, split, warps
+        self.threads = 32 * warps
         self.tokens = 8 * tok_tiles
+        self.nv = 4 * tok_tiles                    # fp32 values of a lane's fragments
         self.row = chunks * 64 + 8        # smem row of x in bf16: padded so ldmatrix's 8 rows miss each other's banks
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, blob_ptr: cute.Pointer, sblob_ptr: cute.Pointer, gs_ptr: cute.Pointer,
-                 out_ptr: cute.Pointer, ws_ptr: cute.Pointer, ticket_ptr: cute.Pointer,
-                 rows: Int32, n: Int32, k: Int32, n_split: Int32, stream):
+                 out_ptr: cute.Pointer, rows: Int32, n: Int32, k: Int32, stream):
         mOut = cute.make_tensor(out_ptr, cute.make_layout((rows, n), stride=(n, 1)))
-        warp_chunks = 8 * self.chunks
+        warp_chunks = self.warps * self.chunks
 
         @cute.struct
         class Storage:
             sW: cute.struct.Align[cute.struct.MemRange[Uint32, warp_chunks * 128], 128]     # [warp, chunk, lane, 4]
             sS: cute.struct.Align[cute.struct.MemRange[Uint32, warp_chunks * 16], 128]      # [warp, chunk, g, 2]
             sX: cute.struct.Align[cute.struct.MemRange[BFloat16, self.tokens * self.row], 128]
+            sP: cute.struct.Align[cute.struct.MemRange[Float32, self.threads * self.nv], 128]  # [warp, lane, nv]
 
         self.storage = Storage
-        self.kernel(x_ptr, blob_ptr, sblob_ptr, gs_ptr, mOut, ws_ptr, ticket_ptr, rows, n, k, n_split).launch(
-            grid=[n // 128, n_split, 1], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(x_ptr, blob_ptr, sblob_ptr, gs_ptr, mOut, rows, n, k).launch(
+            grid=[n // (16 * self.warps), self.split, 1], block=[self.threads, 1, 1], cluster=[1, self.split, 1],
+            stream=stream)
 
     @cute.kernel
     def kernel(self, x_ptr: cute.Pointer, blob_ptr: cute.Pointer, sblob_ptr: cute.Pointer, gs_ptr: cute.Pointer,
-               mOut: cute.Tensor, ws_ptr: cute.Pointer, ticket_ptr: cute.Pointer, rows: Int32, n: Int32, k: Int32,
-               n_split: Int32):
+               mOut: cute.Tensor, rows: Int32, n: Int32, k: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, bz, _ = cute.arch.block_idx()
+        bx, rank, _ = cute.arch.block_idx()                # the cluster spans grid y: rank = K part
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         g = lane // 4
         q = lane % 4
         kc = k // 64
-        slab = bx * 8 + warp                               # 16-row slab = (64-row block, warp in the block)
-        c0 = bz * self.chunks
+        c0 = rank * self.chunks
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.storage)
         sw = st.sW.data_ptr().toint() + (warp * self.chunks * 128 + lane * 4) * 4
         ss = st.sS.data_ptr().toint() + warp * self.chunks * 64
         sx = st.sX.data_ptr().toint()
+        sp = st.sP.data_ptr().toint() + (warp * 32 + lane) * self.nv * 4
 
         # ---- group 0: x[:, c0 * 64 : (c0 + chunks) * 64] -> shared memory, token rows past M zero ----
         per_row = self.chunks * 8                          # 16-byte pieces of a token row
@@ -524,6 +543,7 @@ class W4A16Gemv:
                 cp_async_16(sx + (t * self.row + v * 8) * 2, src, cutlass.select_(t < rows, Int32(16), Int32(0)))
         cute.arch.cp_async_commit_group()
         # ---- groups 1..chunks: the warp's fragments (16 bytes a lane) and scales (64 bytes a warp) ----
+        slab = bx * self.warps + warp                      # 16-row slab = (64-row block, warp in the block)
         blob = blob_ptr.toint() + Int64((slab // 4 * kc + c0) * CHUNK_WORDS + slab % 4 * 128 + lane * 4) * 4
         sblob = sblob_ptr.toint() + Int64((slab // 4 * kc + c0) * CHUNK_SBYTES + slab % 4 * 64 + lane * 16)
         for c in cutlass.range_constexpr(self.chunks):
@@ -551,31 +571,25 @@ class W4A16Gemv:
                 for t in cutlass.range_constexpr(self.tok_tiles):
                     acc[t] = list(mma_bf16_16816(a, b[2 * t:2 * t + 2], acc[t]))
 
-        # ---- split-K: parts summed in split order by the warp that completes the slab ----
-        nv = 4 * self.tok_tiles
-        vals = cute.make_rmem_tensor(nv, Float32)         # value 4t + 2h + e: row g + 8h, token 8t + 2q + e
-        for i in cutlass.range_constexpr(nv):
-            vals[i] = acc[i // 4][i % 4]
-        last = True
-        if const_expr(self.split_k):
-            part = n * self.tokens                         # floats of one part: every slab's fragments
-            frag = (slab * 32 + lane) * nv
-            cute.autovec_copy(vals, cute.make_tensor(ws_ptr + cute.assume(bz * part + frag, divby=4),
-                                                     cute.make_layout(nv)))
-            last = split_ticket(ticket_ptr + slab, n_split, lane)
-            if last:
-                vals.fill(0.0)
-                for z in cutlass.range(n_split, unroll=4):
-                    for i in cutlass.range_constexpr(nv // 2):
-                        v0, v1 = ld_cg_f32x2((ws_ptr + z * part + frag + 2 * i).toint())
-                        vals[2 * i] = vals[2 * i] + v0
-                        vals[2 * i + 1] = vals[2 * i + 1] + v1
-        if last:
+        # ---- K parts summed in rank order across the cluster (value 4t + 2h + e: row g + 8h, token 8t + 2q + e)
+        vals = [v for part in acc for v in part]
+        if const_expr(self.split > 1):
+            for i in cutlass.range_constexpr(self.nv // 4):
+                st_shared_v4(sp + 16 * i, vals[4 * i:4 * i + 4])
+            cute.arch.cluster_arrive()                     # release: the fragments are visible to the cluster
+            cute.arch.cluster_wait()
+            vals = [Float32(0.0)] * self.nv
+            for p in cutlass.range_constexpr(self.split):
+                for i in cutlass.range_constexpr(self.nv // 4):
+                    part = ld_cluster_v4(mapa(sp + 16 * i, Int32(p)))
+                    vals[4 * i:4 * i + 4] = [vals[4 * i + e] + part[e] for e in range(4)]
+        if const_expr(self.split == 1) or warp % self.split == rank:
             gs = cute.make_tensor(gs_ptr, cute.make_layout(1))[0]
-            for i in cutlass.range_constexpr(nv):
+            for i in cutlass.range_constexpr(self.nv):
                 token = 8 * (i // 4) + 2 * q + i % 2
                 if token < rows:
                     mOut[token, slab * 16 + g + 8 * (i % 4 // 2)] = (vals[i] * gs).to(BFloat16)
+        leave_cluster(self.split)                          # no CTA exits while a peer may read its fragments
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -610,21 +624,21 @@ register(KernelDef(
     doc="NVFP4 x bf16 WGMMA GEMM, weights decoded in registers (swap-AB), dense/grouped, SwiGLU epilogue"))
 
 
-def _build_gemv(tok_tiles: int, chunks: int, split_k: bool):
-    kern = W4A16Gemv(tok_tiles, chunks, split_k)
+def _build_gemv(tok_tiles: int, chunks: int, split: int, warps: int = 8):
+    kern = W4A16Gemv(tok_tiles, chunks, split, warps)
     args = (fake_ptr(BFloat16), fake_ptr(Uint32), fake_ptr(Uint8, 16), fake_ptr(Float32, 4), fake_ptr(BFloat16),
-            fake_ptr(Float32), fake_ptr(Int32, 4), Int32(16), Int32(3072), Int32(7168), Int32(1), fake_stream())
+            Int32(16), Int32(3072), Int32(7168), fake_stream())
     return kern, args
 
 
 register(KernelDef(
     "w4a16_gemv", "linear", BOTH, _build_gemv,
     # Pro and Flash expert shapes at their picked splits (pick_gemv_split), 1 and 2 token tiles
-    configs=({"tok_tiles": 2, "chunks": 14, "split_k": True}, {"tok_tiles": 1, "chunks": 14, "split_k": True},
-             {"tok_tiles": 2, "chunks": 12, "split_k": True}, {"tok_tiles": 2, "chunks": 8, "split_k": True},
-             {"tok_tiles": 2, "chunks": 8, "split_k": False}),
-    ci_configs=({"tok_tiles": 2, "chunks": 14, "split_k": True}, {"tok_tiles": 1, "chunks": 8, "split_k": False}),
-    doc="NVFP4 x bf16 decode GEMM (M <= 16): mma.sync on in-register decoded weights, split-K"))
+    configs=({"tok_tiles": 2, "chunks": 14, "split": 8}, {"tok_tiles": 1, "chunks": 14, "split": 8, "warps": 4},
+             {"tok_tiles": 2, "chunks": 12, "split": 4}, {"tok_tiles": 1, "chunks": 12, "split": 4},
+             {"tok_tiles": 2, "chunks": 8, "split": 8}, {"tok_tiles": 2, "chunks": 8, "split": 4}),
+    ci_configs=({"tok_tiles": 2, "chunks": 14, "split": 8}, {"tok_tiles": 1, "chunks": 8, "split": 1, "warps": 4}),
+    doc="NVFP4 x bf16 decode GEMM (M <= 16): mma.sync on in-register decoded weights, K split over a cluster"))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -692,7 +706,7 @@ def w4a16_launch(x, pack, n: int, *, out=None, route_w=None, units=None, unit_co
 def gemv_splits(k: int) -> list[int]:
     """The K splits the decode GEMV can run: each part a whole number of chunks, at most GEMV_MAX_CHUNKS."""
     kc = k // 64
-    return [s for s in range(1, kc + 1) if kc % s == 0 and kc // s <= GEMV_MAX_CHUNKS]
+    return [s for s in range(1, min(kc, GEMV_MAX_SPLIT) + 1) if kc % s == 0 and kc // s <= GEMV_MAX_CHUNKS]
 
 
 def pick_gemv_split(n: int, k: int, sms: int) -> int:
@@ -702,7 +716,7 @@ def pick_gemv_split(n: int, k: int, sms: int) -> int:
     return next((s for s in splits if n // 128 * s >= 2 * sms), splits[-1])
 
 
-def w4a16_gemv(x, pack, n: int, split: int | None = None, out=None):
+def w4a16_gemv(x, pack, n: int, split: int | None = None, warps: int = 8, out=None):
     """x [M <= 16, K] bf16 @ W^T for one packed NVFP4 weight W [n, K] -> [M, n] bf16 (the decode kernel)."""
     import torch
 
@@ -719,16 +733,12 @@ def w4a16_gemv(x, pack, n: int, split: int | None = None, out=None):
     split = split or pick_gemv_split(n, k, sm_count(x.device))
     if split not in gemv_splits(k):
         raise ValueError(f"split {split} is not one of the decode kernel's splits of K = {k}: {gemv_splits(k)}")
-    tok_tiles = 1 if rows <= 8 else 2
     if out is None:
         out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
-    fn = compile_kernel("w4a16_gemv", device_arch(x.device), tok_tiles=tok_tiles, chunks=k // 64 // split,
-                        split_k=split > 1)
-    ws = scratch("w4_gemv_partials", x.device, split * n * 8 * tok_tiles, torch.float32)
-    tickets = scratch("w4_gemv_tickets", x.device, n // 16, torch.int32)
-    fn(ptr(x), ptr(blob, cutlass.Uint32), ptr(sblob, cutlass.Uint8), ptr(gscale, align=4), ptr(out),
-       ptr(ws, cutlass.Float32), ptr(tickets, cutlass.Int32, align=4), Int32(rows), Int32(n), Int32(k),
-       Int32(split), current_stream())
+    fn = compile_kernel("w4a16_gemv", device_arch(x.device), tok_tiles=1 if rows <= 8 else 2,
+                        chunks=k // 64 // split, split=split, warps=warps)
+    fn(ptr(x), ptr(blob, cutlass.Uint32), ptr(sblob, cutlass.Uint8), ptr(gscale, align=4), ptr(out), Int32(rows),
+       Int32(n), Int32(k), current_stream())
     return out
 
 

@@ -65,9 +65,10 @@ def test_ptx_wgmma_groups_have_no_branch(cfg, ptx_of):
 def test_ptx_gemv_requests_every_byte_before_its_first_mma(tok_tiles, ptx_of):
     """The decode kernel: all of a warp's fragment and scale copies (and x's) are issued as cp.async groups
     before the first MMA, one group a chunk waited on in order; per k16 block one ldmatrix and one
-    m16n8k16 MMA per 8 tokens; no local memory."""
-    chunks = 6
-    ptx = ptx_of(gemm_w4a16._build_gemv, tok_tiles=tok_tiles, chunks=chunks, split_k=True)
+    m16n8k16 MMA per 8 tokens; the K parts summed from the cluster's shared memory (every part of a lane's
+    fragments, through mapa), no global workspace or atomics; no local memory."""
+    chunks, split = 6, 5
+    ptx = ptx_of(gemm_w4a16._build_gemv, tok_tiles=tok_tiles, chunks=chunks, split=split)
     mma = [m.start() for m in re.finditer(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)]
     assert len(mma) == 4 * chunks * tok_tiles
     assert ptx.count(f"ldmatrix.sync.aligned.m8n8.x{2 * tok_tiles}.shared.b16") == 4 * chunks
@@ -76,7 +77,14 @@ def test_ptx_gemv_requests_every_byte_before_its_first_mma(tok_tiles, ptx_of):
     assert ptx.count("cp.async.commit_group") == chunks + 1
     waits = [int(w) for w in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)]
     assert waits == [chunks] + list(range(chunks - 1, -1, -1))
+    assert ptx.count("ld.shared::cluster.v4.f32") == ptx.count("mapa.shared::cluster") == split * tok_tiles
+    assert ptx.count("barrier.cluster.arrive;") == 2 and "atom." not in ptx and "st.global.f32" not in ptx
     assert ".local" not in ptx and "e2m1" not in ptx
+
+
+def test_ptx_gemv_without_split_needs_no_cluster(ptx_of):
+    ptx = ptx_of(gemm_w4a16._build_gemv, tok_tiles=1, chunks=4, split=1, warps=4)
+    assert "barrier.cluster" not in ptx and "mapa" not in ptx and ptx.count("mma.sync.aligned") == 16
 
 
 def test_ptx_split_k_sum_keeps_loads_in_flight(ptx_of):
@@ -174,9 +182,13 @@ def test_invalid_configs_are_refused():
     with pytest.raises(ValueError):
         gemm_fp8.Fp8BlockGemm(tile_n=256)
     with pytest.raises(ValueError, match="tok_tiles"):
-        gemm_w4a16.W4A16Gemv(3, 4, False)
+        gemm_w4a16.W4A16Gemv(3, 4, 1)
     with pytest.raises(ValueError, match="chunks"):
-        gemm_w4a16.W4A16Gemv(2, gemm_w4a16.GEMV_MAX_CHUNKS + 1, True)
+        gemm_w4a16.W4A16Gemv(2, gemm_w4a16.GEMV_MAX_CHUNKS + 1, 2)
+    with pytest.raises(ValueError, match="split"):
+        gemm_w4a16.W4A16Gemv(2, 4, gemm_w4a16.GEMV_MAX_SPLIT + 1)
+    with pytest.raises(ValueError, match="warps"):
+        gemm_w4a16.W4A16Gemv(2, 4, 2, warps=2)
 
 
 def test_gemv_launcher_refuses_what_it_cannot_run():
@@ -189,8 +201,8 @@ def test_gemv_launcher_refuses_what_it_cannot_run():
         gemm_w4a16.w4a16_gemv(x[:4], pack, 256, split=3)
     with pytest.raises(ValueError, match="GEMM asks"):
         gemm_w4a16.w4a16_gemv(x[:4], pack, 512, split=1)
-    assert gemm_w4a16.gemv_splits(1024) == [1, 2, 4, 8, 16]
-    assert gemm_w4a16.gemv_splits(7168) == [7, 8, 14, 16, 28, 56, 112]
+    assert gemm_w4a16.gemv_splits(1024) == [1, 2, 4, 8]
+    assert gemm_w4a16.gemv_splits(7168) == [7, 8]
 
 
 def test_fp8_config_fills_the_sms():
@@ -327,7 +339,7 @@ def test_dense_configs_are_legal(m, n, k):
     cfg = gemm_w4a16.pick_dense_config(m, n, k, 132)
     if cfg.get("gemv"):
         assert m <= 16 and cfg["split"] in gemm_w4a16.gemv_splits(k)
-        gemm_w4a16.W4A16Gemv(1 if m <= 8 else 2, k // 64 // cfg["split"], cfg["split"] > 1)
+        gemm_w4a16.W4A16Gemv(1 if m <= 8 else 2, k // 64 // cfg["split"], cfg["split"])
         return
     split, tile_k = cfg.get("split", 1), cfg.get("tile_k", 64)
     assert (k // 64) % (split * (tile_k // 64)) == 0

@@ -107,9 +107,9 @@ def test_split_k_is_deterministic_and_reusable(gen):
 
 @pytest.mark.parametrize("m", [1, 5, 8, 9, 16])
 def test_w4a16_gemv_is_the_decoded_gemm_at_every_split(gen, m):
-    """The decode kernel at every split of K: each output within its bf16 rounding and fp32 summation error of
-    fp64 math on the decoded weights, the same bits call after call (tickets reset), and an `out` view's
-    other rows untouched."""
+    """The decode kernel at every split of K (clusters of 1-8 CTAs) and CTA size: each output within its bf16
+    rounding and fp32 summation error of fp64 math on the decoded weights, the same bits call after call, and
+    an `out` view's other rows untouched."""
     from dsv4_kernels import check_gemm as C
     from dsv4_kernels import gemm_w4a16 as K
     from dsv4_kernels import w4_pack
@@ -119,9 +119,10 @@ def test_w4a16_gemv_is_the_decoded_gemm_at_every_split(gen, m):
     want = x.double() @ wd.double().T
     bound = 2 ** -8 * want.abs() + 2 ** -20 * (x.double().abs() @ wd.double().abs().T)
     for split in K.gemv_splits(2048):
-        a = K.w4a16_gemv(x, pack, 1024, split)
-        assert torch.equal(a, K.w4a16_gemv(x, pack, 1024, split)), split
-        assert bool(((a.double() - want).abs() <= bound).all()), split
+        for warps in (4, 8):
+            a = K.w4a16_gemv(x, pack, 1024, split, warps)
+            assert torch.equal(a, K.w4a16_gemv(x, pack, 1024, split, warps)), (split, warps)
+            assert bool(((a.double() - want).abs() <= bound).all()), (split, warps)
     big = torch.full((m + 1, 1024), 7.0, dtype=torch.bfloat16, device="cuda")
     K.w4a16_linear(x, pack, 1024, out=big[:m])
     assert torch.equal(big[:m], K.w4a16_linear(x, pack, 1024)) and bool((big[m] == 7.0).all())
