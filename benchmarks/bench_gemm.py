@@ -87,7 +87,6 @@ def phase_smoke() -> dict:
                             ("fp8_split", "fp8_block_gemm", {"split_k": True}),
                             ("fp8_cluster", "fp8_block_gemm", {"cluster_n": 2}),
                             ("w4_decode", "w4a16_gemm", {"n_tok": 16}),
-                            ("w4_split", "w4a16_gemm", {"n_tok": 16, "split_k": True}),
                             ("w4_wide", "w4a16_gemm", {"n_tok": 128, "t_max": 2}),
                             ("w4_gemv", "w4a16_gemv", {"tok_tiles": 2, "chunks": 4, "split": 4})):
         from dsv4_kernels._common import compile_kernel
@@ -116,7 +115,6 @@ def phase_smoke() -> dict:
 
     def w4_probe():
         return [probe_w4(256, 128, 16, {"n_tok": 16}, gen),
-                probe_w4(256, 256, 16, {"n_tok": 16, "split_k": True, "split": 2}, gen),
                 probe_w4(256, 256, 256, {"n_tok": 128, "t_max": 2}, gen),
                 probe_w4(256, 1024, 16, {"gemv": True, "split": 4}, gen),
                 probe_w4(384, 512, 5, {"gemv": True, "split": 1}, gen)]

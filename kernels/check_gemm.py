@@ -333,15 +333,10 @@ def _w4_candidates(m: int, n: int, k: int, tune: bool) -> list[dict]:
         from .gemm_w4a16 import gemv_splits
         cands += [c for sp in gemv_splits(k) for c in ({"gemv": True, "split": sp},
                                                        {"gemv": True, "split": sp, "warps": 4}) if c not in cands]
-        kc = k // 64
-        for sp in (1, 2, 4, 8, 16):
-            for tile_k in (64, 128):
-                c = {"n_tok": 16, "split_k": sp > 1, "split": sp} | ({"tile_k": tile_k} if tile_k > 64 else {})
-                if kc % (sp * tile_k // 64) == 0 and c not in cands:
-                    cands.append(c)
+        cands.append({"n_tok": 16, "tile_k": 128})             # the WGMMA kernel, K whole (the SwiGLU w13's)
     if tune and m >= 2048:
-        for c in ({"n_tok": 128, "t_max": 2, "tile_k": 128, "split": 1}, {"n_tok": 128, "t_max": 1, "split": 1},
-                  {"n_tok": 64, "t_max": 4, "tile_k": 128, "split": 1}):
+        for c in ({"n_tok": 128, "t_max": 2, "tile_k": 128}, {"n_tok": 128, "t_max": 1},
+                  {"n_tok": 64, "t_max": 4, "tile_k": 128}):
             if c not in cands:
                 cands.append(c)
     return cands

@@ -12,7 +12,7 @@ multiplies them by the block scale in bf16 (exact), and issues the WGMMAs. The f
 register buffers).
 
 CTA = 3 warpgroups: warpgroup 0 = producer (one warp issues TMA and bulk copies), warpgroups 1-2 = consumers,
-128 weight rows per CTA. Grid = (N / 128, work units, K splits).
+128 weight rows per CTA. Grid = (N / 128, work units).
 
 Work units:
 - dense: unit u = tokens [u * n_cta, u * n_cta + n_cta) of x [M, K]; expert 0.
@@ -27,8 +27,6 @@ Epilogues:
 - "swiglu": rows interleaved by 8 (w4_pack.interleave_w13): a thread holds gate and up of the same column;
             h[row, i] = bf16(silu(min(g, lim)) * clamp(u, -lim, lim) * route_w[row]) with g, u first
             rounded to bf16 (as the reference computes F.linear in bf16), NaN-propagating min/max.
-Split-K (dense decode): each split writes fp32 partials to a workspace; the last CTA of a row tile (atomic
-ticket) sums the partials in split order (deterministic) and runs the epilogue; it resets its ticket.
 Clusters (cluster_n = 2, MoE prefill): two CTAs along N with the same work unit share the activation tile,
 each loading half of it and multicasting it to both (kernels/_tma_gemm.py); the weights stay per CTA.
 """
@@ -47,7 +45,6 @@ from ._common import (
     fake_stream,
     fmax_nan,
     fmin_nan,
-    ld_cg_f32,
     register,
     scratch,
     sm_count,
@@ -59,7 +56,7 @@ SMEM_BYTES = 227 * 1024
 CHUNK_WORDS = 4 * 32 * 4          # uint32 words of one (64-row block, 64-wide K chunk) of the blob
 CHUNK_SBYTES = 4 * 8 * 8          # scale bytes of one (64-row block, chunk)
 GEMV_MAX_CHUNKS = 16              # K chunks of one warp in the decode kernel (all in shared memory at once)
-GEMV_MAX_SPLIT = 8                # K parts of the decode kernel: one cluster (8 CTAs is the portable maximum)
+GEMV_MAX_SPLIT = 32               # K parts of the decode kernel (the last warp loads all of them at once)
 SCALE_BIAS_BITS = (236 << 7) | (236 << 23)
 
 
@@ -105,16 +102,14 @@ class W4A16Gemm:
     threads = 384
 
     def __init__(self, n_tok: int, t_max: int = 1, grouped: bool = False, epilogue: str = "plain",
-                 split_k: bool = False, tile_k: int = 64, stages: int | None = None, cluster_n: int = 1):
+                 tile_k: int = 64, stages: int | None = None, cluster_n: int = 1):
         if n_tok % 8 or not 8 <= n_tok <= 256 or n_tok * t_max > 256:
             raise ValueError("n_tok must be a multiple of 8 in [8, 256] and n_tok * t_max <= 256")
         if epilogue not in ("plain", "swiglu"):
             raise ValueError(f"unknown epilogue {epilogue}")
-        if split_k and (grouped or epilogue != "plain"):
-            raise ValueError("split-K is for dense plain GEMMs")
         if cluster_n not in (1, 2):
             raise ValueError("cluster_n must be 1 or 2")
-        self.n_tok, self.t_max, self.grouped, self.epilogue, self.split_k = n_tok, t_max, grouped, epilogue, split_k
+        self.n_tok, self.t_max, self.grouped, self.epilogue = n_tok, t_max, grouped, epilogue
         self.cluster_n = cluster_n
         self.n_cta = n_tok * t_max
         if tile_k not in (64, 128):
@@ -131,9 +126,7 @@ class W4A16Gemm:
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, blob_ptr: cute.Pointer, sblob_ptr: cute.Pointer, gs_ptr: cute.Pointer,
                  out_ptr: cute.Pointer, rw_ptr: cute.Pointer, units_ptr: cute.Pointer, ucount_ptr: cute.Pointer,
-                 ws_ptr: cute.Pointer, ticket_ptr: cute.Pointer,
-                 rows: Int32, n: Int32, k: Int32, n_units: Int32, n_split: Int32, n_experts: Int32, lim: Float32,
-                 stream):
+                 rows: Int32, n: Int32, k: Int32, n_units: Int32, n_experts: Int32, lim: Float32, stream):
         nb = n // 64
         mX = cute.make_tensor(x_ptr, cute.make_layout((rows, k), stride=(k, 1)))
         mBlob = cute.make_tensor(blob_ptr, cute.make_layout(CHUNK_WORDS))       # base pointers only: offsets
@@ -144,8 +137,6 @@ class W4A16Gemm:
         mRw = cute.make_tensor(rw_ptr, cute.make_layout(rows))
         mUnits = cute.make_tensor(units_ptr, cute.make_layout((3, n_units), stride=(1, 3)))
         mUcount = cute.make_tensor(ucount_ptr, cute.make_layout(1))
-        mWs = cute.make_tensor(ws_ptr, cute.make_layout((rows, n, n_split), stride=(n, 1, rows * n)))
-        mTicket = cute.make_tensor(ticket_ptr, cute.make_layout((nb // 2, n_units)))
 
         b_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, BFloat16, self.tile_k), BFloat16)
@@ -161,16 +152,15 @@ class W4A16Gemm:
         @cute.struct
         class Storage:
             bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            flag: cute.struct.MemRange[Int32, 4]
             sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[Uint32, self.stages * 2 * self.chunks * CHUNK_WORDS], 128]
             sS: cute.struct.Align[cute.struct.MemRange[Uint32, self.stages * 2 * self.chunks * CHUNK_SBYTES // 4],
                                   128]
 
         self.storage = Storage
-        self.kernel(tma_atom, mX_tma, mBlob, mS, mGs, mOut, mRw, mUnits, mUcount, mWs, mTicket, tiled_mma,
-                    sB_layout, rows, n, k, n_split, lim).launch(
-            grid=[nb // 2, n_units, n_split], block=[self.threads, 1, 1], cluster=[self.cluster_n, 1, 1],
+        self.kernel(tma_atom, mX_tma, mBlob, mS, mGs, mOut, mRw, mUnits, mUcount, tiled_mma, sB_layout, rows, n, k,
+                    lim).launch(
+            grid=[nb // 2, n_units, 1], block=[self.threads, 1, 1], cluster=[self.cluster_n, 1, 1],
             min_blocks_per_mp=1, stream=stream)
 
     # ---- device side ----
@@ -178,10 +168,10 @@ class W4A16Gemm:
     @cute.kernel
     def kernel(self, tma_atom: cute.CopyAtom, mX: cute.Tensor, mBlob: cute.Tensor, mS: cute.Tensor,
                mGs: cute.Tensor, mOut: cute.Tensor, mRw: cute.Tensor, mUnits: cute.Tensor, mUcount: cute.Tensor,
-               mWs: cute.Tensor, mTicket: cute.Tensor, tiled_mma: cute.TiledMma, sB_layout: cute.ComposedLayout,
-               rows: Int32, n: Int32, k: Int32, n_split: Int32, lim: Float32):
+               tiled_mma: cute.TiledMma, sB_layout: cute.ComposedLayout, rows: Int32, n: Int32, k: Int32,
+               lim: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, by, bz = cute.arch.block_idx()
+        bx, by, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         nb = n // 64
@@ -200,9 +190,7 @@ class W4A16Gemm:
             expert = mUnits[0, uc]
             row0 = mUnits[1, uc]
             cnt = mUnits[2, uc]
-        k_per_split = kc // n_split                      # chunks per split (host guarantees divisibility)
-        c_begin = bz * k_per_split
-        k_tiles = k_per_split // self.chunks
+        k_tiles = kc // self.chunks
 
         if valid != 0:
             smem = cutlass.memory.SmemAllocator()
@@ -217,7 +205,7 @@ class W4A16Gemm:
                                                            2 * self.chunks * CHUNK_SBYTES // 4)))
             pipe = tma_pipeline(st.bars, self.stages, self.tx_bytes, self.cluster_n)
 
-            gX = cute.local_tile(cute.domain_offset((row0, c_begin * 64), mX), (self.n_cta, self.tile_k), (0, None))
+            gX = cute.local_tile(cute.domain_offset((row0, 0), mX), (self.n_cta, self.tile_k), (0, None))
             tBsB, tBgX, x_mask = shared_tile_partition(tma_atom, self.cluster_n, sB, gX)
 
             if warp < 4:
@@ -233,7 +221,7 @@ class W4A16Gemm:
                         load(tma_atom, tBgX[(None, kt)], tBsB[(None, state.index)], bar, x_mask)
                         if lane == 0:
                             for h in cutlass.range_constexpr(2):
-                                blk = Int64((expert * nb + bx * 2 + h) * kc + c_begin + kt * self.chunks)
+                                blk = Int64((expert * nb + bx * 2 + h) * kc + kt * self.chunks)
                                 prims.cp_async_bulk_shared_cluster_global(
                                     sW[(None, 0, 0, 0, h, state.index)].iterator,
                                     mBlob.iterator + blk * CHUNK_WORDS, bar,
@@ -301,14 +289,10 @@ class W4A16Gemm:
                 gs = mGs[expert]
                 cC = cute.make_identity_tensor((128, self.n_tok))
                 tCcC = thr_mma.partition_C(cC)
-                if const_expr(self.split_k):
-                    self.epilogue_split(accs[0], tCcC, mWs, mTicket, mOut, st.flag.data_ptr(), gs, bx, by, bz,
-                                        row0, cnt, n, n_split, ctid)
-                else:
-                    for t in cutlass.range_constexpr(self.t_max):
-                        if t < n_sub:
-                            self.epilogue_direct(accs[t], tCcC, mOut, mRw, gs, lim, bx, row0 + t * self.n_tok,
-                                                 cnt - t * self.n_tok)
+                for t in cutlass.range_constexpr(self.t_max):
+                    if t < n_sub:
+                        self.epilogue_direct(accs[t], tCcC, mOut, mRw, gs, lim, bx, row0 + t * self.n_tok,
+                                             cnt - t * self.n_tok)
             leave_cluster(self.cluster_n)          # both CTAs of a cluster have the same unit: valid together
 
     @cute.jit
@@ -372,47 +356,6 @@ class W4A16Gemm:
                         col = (bx * 128 + r) // 16 * 8 + r % 8
                         mOut[row0 + c, col] = hval.to(BFloat16)
 
-    @cute.jit
-    def epilogue_split(self, acc: cute.Tensor, tCcC: cute.Tensor, mWs: cute.Tensor, mTicket: cute.Tensor,
-                       mOut: cute.Tensor, flag_ptr: cute.Pointer, gs: Float32, bx: Int32, by: Int32, bz: Int32,
-                       row0: Int32,
-                       cnt: Int32, n: Int32, n_split: Int32, ctid: Int32):
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            r, c = tCcC[i]
-            if c < cnt:
-                mWs[row0 + c, bx * 128 + r, bz] = acc[i]
-        cute.arch.fence_acq_rel_gpu()
-        bar = pipeline.NamedBarrier(barrier_id=1, num_threads=256)
-        bar.arrive_and_wait()
-        flag = cute.make_tensor(flag_ptr, cute.make_layout(1))
-        if ctid == 0:
-            tk = by * (n // 128) + bx
-            old = cute.arch.atomic_add(mTicket.iterator + tk, Int32(1), sem="acq_rel", scope="gpu")
-            last = Int32(0)
-            if old == n_split - 1:
-                last = Int32(1)
-                mTicket[bx, by] = Int32(0)
-            flag[0] = last
-        bar.arrive_and_wait()
-        if flag[0] != 0:
-            cute.arch.fence_acq_rel_gpu()
-            # splits outermost, all of a thread's values within each: their loads are independent and in flight
-            # together, and 4 splits unrolled overlap too. One value at a time, split after split, waited on
-            # 8 x n_split L2 round trips in a row (Pro w1 at M = 16: 20.9 -> 14.2 us). Sums stay in split order.
-            total = cute.make_rmem_tensor(cute.size(acc), Float32)
-            total.fill(0.0)
-            split_stride = mWs.shape[0] * n
-            for z in cutlass.range(n_split, unroll=4):
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    r, c = tCcC[i]
-                    if c < cnt:
-                        off = (row0 + c) * n + bx * 128 + r + z * split_stride
-                        total[i] = total[i] + ld_cg_f32((mWs.iterator + off).toint())
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                r, c = tCcC[i]
-                if c < cnt:
-                    mOut[row0 + c, bx * 128 + r] = (total[i] * gs).to(BFloat16)
-
 
 # --------------------------------------------------------------------------------------------------------
 # Decode (M <= 16): warp-level MMAs, every weight load of a warp in flight at once
@@ -434,18 +377,13 @@ def cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32):
                          read_only_args=[smem_addr, gmem_addr, src_bytes])
 
 
-def st_shared_v4(addr: Int32, vals: list):
-    cute.arch.inline_ptx("st.shared.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[addr, *vals])
+def st_global_v4(addr: Int64, vals: list):
+    cute.arch.inline_ptx("st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[addr, *vals])
 
 
-def mapa(addr: Int32, rank: Int32) -> Int32:
-    """The shared::cluster address of this CTA's shared-memory `addr` in cluster CTA `rank`."""
-    return cute.arch.inline_ptx("mapa.shared::cluster.u32 {$w0}, {$r0}, {$r1};", write_only_types=[Int32],
-                                read_only_args=[addr, rank])
-
-
-def ld_cluster_v4(addr: Int32):
-    return cute.arch.inline_ptx("ld.shared::cluster.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+def ld_cg_v4(addr: Int64):
+    """Four fp32 values written by other CTAs, from L2 (never a stale L1 line)."""
+    return cute.arch.inline_ptx("ld.global.cg.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
                                 write_only_types=[Float32] * 4, read_only_args=[addr])
 
 
@@ -474,11 +412,11 @@ class W4A16Gemv:
     fragment word is decoded into the mma.sync A registers (the fragment order of the WGMMA kernel is also
     that of m16n8k16), x's B fragments come by one ldmatrix, one MMA per 8 tokens.
 
-    CTA = `warps` warps = 16 x warps weight rows; grid = (N / rows, split), the `split` CTAs of a row tile (its K
-    parts) forming one cluster. Each puts its fp32 fragments in its shared memory; after a cluster barrier, warp
-    w of cluster rank w % split sums slab w's parts over the ranks in order (distributed shared memory loads:
-    deterministic, no workspace, no atomics; a global split-K tail of fence, ticket and loads cost ~2.5 us
-    on the H200, a third of the kernel) and stores bf16 out.
+    CTA = `warps` warps = 16 x warps weight rows; grid = (N / rows, split): K in `split` parts. Each warp writes
+    its fp32 fragments to a workspace; a ticket per 16-row slab counts the parts, and the warp that completes
+    the last one sums them in split order (deterministic, all parts' loads in flight at once) and stores bf16
+    out. The ticket is ordered by the warp barrier and one acq_rel atomic, no GPU-scope fences (as CUTLASS's
+    split-K semaphores): with fences and 4 parts a load round, the sum cost ~2.5 us of 8.8 on the H200.
     """
 
     def __init__(self, tok_tiles: int, chunks: int, split: int, warps: int = 8):
@@ -487,7 +425,7 @@ class W4A16Gemv:
         if not 1 <= chunks <= GEMV_MAX_CHUNKS:
             raise ValueError(f"chunks per warp must be in [1, {GEMV_MAX_CHUNKS}]")
         if not 1 <= split <= GEMV_MAX_SPLIT:
-            raise ValueError(f"split must be in [1, {GEMV_MAX_SPLIT}] (one cluster)")
+            raise ValueError(f"split must be in [1, {GEMV_MAX_SPLIT}]")
         if warps not in (4, 8):
             raise ValueError("warps must be 4 or 8")
         self.tok_tiles, self.chunks, self.split, self.warps = tok_tiles, chunks, split, warps
@@ -498,7 +436,8 @@ class W4A16Gemv:
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, blob_ptr: cute.Pointer, sblob_ptr: cute.Pointer, gs_ptr: cute.Pointer,
-                 out_ptr: cute.Pointer, rows: Int32, n: Int32, k: Int32, stream):
+                 out_ptr: cute.Pointer, ws_ptr: cute.Pointer, ticket_ptr: cute.Pointer, rows: Int32, n: Int32,
+                 k: Int32, stream):
         mOut = cute.make_tensor(out_ptr, cute.make_layout((rows, n), stride=(n, 1)))
         warp_chunks = self.warps * self.chunks
 
@@ -507,30 +446,27 @@ class W4A16Gemv:
             sW: cute.struct.Align[cute.struct.MemRange[Uint32, warp_chunks * 128], 128]     # [warp, chunk, lane, 4]
             sS: cute.struct.Align[cute.struct.MemRange[Uint32, warp_chunks * 16], 128]      # [warp, chunk, g, 2]
             sX: cute.struct.Align[cute.struct.MemRange[BFloat16, self.tokens * self.row], 128]
-            sP: cute.struct.Align[cute.struct.MemRange[Float32, self.threads * self.nv], 128]  # [warp, lane, nv]
 
         self.storage = Storage
-        self.kernel(x_ptr, blob_ptr, sblob_ptr, gs_ptr, mOut, rows, n, k).launch(
-            grid=[n // (16 * self.warps), self.split, 1], block=[self.threads, 1, 1], cluster=[1, self.split, 1],
-            stream=stream)
+        self.kernel(x_ptr, blob_ptr, sblob_ptr, gs_ptr, mOut, ws_ptr, ticket_ptr, rows, n, k).launch(
+            grid=[n // (16 * self.warps), self.split, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, x_ptr: cute.Pointer, blob_ptr: cute.Pointer, sblob_ptr: cute.Pointer, gs_ptr: cute.Pointer,
-               mOut: cute.Tensor, rows: Int32, n: Int32, k: Int32):
+               mOut: cute.Tensor, ws_ptr: cute.Pointer, ticket_ptr: cute.Pointer, rows: Int32, n: Int32, k: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, rank, _ = cute.arch.block_idx()                # the cluster spans grid y: rank = K part
+        bx, part, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         g = lane // 4
         q = lane % 4
         kc = k // 64
-        c0 = rank * self.chunks
+        c0 = part * self.chunks
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.storage)
         sw = st.sW.data_ptr().toint() + (warp * self.chunks * 128 + lane * 4) * 4
         ss = st.sS.data_ptr().toint() + warp * self.chunks * 64
         sx = st.sX.data_ptr().toint()
-        sp = st.sP.data_ptr().toint() + (warp * 32 + lane) * self.nv * 4
 
         # ---- group 0: x[:, c0 * 64 : (c0 + chunks) * 64] -> shared memory, token rows past M zero ----
         per_row = self.chunks * 8                          # 16-byte pieces of a token row
@@ -571,44 +507,67 @@ class W4A16Gemv:
                 for t in cutlass.range_constexpr(self.tok_tiles):
                     acc[t] = list(mma_bf16_16816(a, b[2 * t:2 * t + 2], acc[t]))
 
-        # ---- K parts summed in rank order across the cluster (value 4t + 2h + e: row g + 8h, token 8t + 2q + e)
-        vals = [v for part in acc for v in part]
-        if const_expr(self.split > 1):
+        # ---- K parts: summed in split order by the warp that completes the slab ----
+        vals = [v for tile in acc for v in tile]           # value 4t + 2h + e: row g + 8h, token 8t + 2q + e
+        if const_expr(self.split == 1):
+            self.store(vals, mOut, gs_ptr, slab, g, q, rows)
+        else:
+            part_bytes = n * self.tokens * 4               # one part: every slab's fragments
+            frag = ws_ptr.toint() + Int64(slab * 32 + lane) * (self.nv * 4)
             for i in cutlass.range_constexpr(self.nv // 4):
-                st_shared_v4(sp + 16 * i, vals[4 * i:4 * i + 4])
-            cute.arch.cluster_arrive()                     # release: the fragments are visible to the cluster
-            cute.arch.cluster_wait()
-            vals = [Float32(0.0)] * self.nv
-            for p in cutlass.range_constexpr(self.split):
-                for i in cutlass.range_constexpr(self.nv // 4):
-                    part = ld_cluster_v4(mapa(sp + 16 * i, Int32(p)))
-                    vals[4 * i:4 * i + 4] = [vals[4 * i + e] + part[e] for e in range(4)]
-        if const_expr(self.split == 1) or warp % self.split == rank:
-            gs = cute.make_tensor(gs_ptr, cute.make_layout(1))[0]
-            for i in cutlass.range_constexpr(self.nv):
-                token = 8 * (i // 4) + 2 * q + i % 2
-                if token < rows:
-                    mOut[token, slab * 16 + g + 8 * (i % 4 // 2)] = (vals[i] * gs).to(BFloat16)
-        leave_cluster(self.split)                          # no CTA exits while a peer may read its fragments
+                st_global_v4(frag + Int64(part * part_bytes + 16 * i), vals[4 * i:4 * i + 4])
+            if last_part(ticket_ptr + slab, self.split, lane):
+                total = cute.make_rmem_tensor(self.nv, Float32)
+                total.fill(0.0)
+                for p in cutlass.range_constexpr(self.split):
+                    for i in cutlass.range_constexpr(self.nv // 4):
+                        got = ld_cg_v4(frag + Int64(p * part_bytes + 16 * i))
+                        for e in cutlass.range_constexpr(4):
+                            total[4 * i + e] = total[4 * i + e] + got[e]
+                self.store(total, mOut, gs_ptr, slab, g, q, rows)
+
+    @cute.jit
+    def store(self, vals, mOut: cute.Tensor, gs_ptr: cute.Pointer, slab: Int32, g: Int32, q: Int32, rows: Int32):
+        gs = cute.make_tensor(gs_ptr, cute.make_layout(1))[0]
+        for i in cutlass.range_constexpr(self.nv):
+            token = 8 * (i // 4) + 2 * q + i % 2
+            if token < rows:
+                mOut[token, slab * 16 + g + 8 * (i % 4 // 2)] = (vals[i] * gs).to(BFloat16)
+
+
+@cute.jit
+def last_part(ticket: cute.Pointer, parts: cutlass.Constexpr, lane: Int32):
+    """Split-K, a ticket per warp's output values, called once the warp has written its part: counts the part;
+    true (across the warp) in the warp that completes the last one, which may then read every part, and which
+    resets the ticket for the next launch. The warp barrier orders the lanes' stores before lane 0's release
+    and the acquire before the lanes' loads."""
+    cute.arch.sync_warp()
+    done = Int32(0)
+    if lane == 0:
+        done = cute.arch.atomic_add(ticket, Int32(1), sem="acq_rel", scope="gpu")
+        if done == parts - 1:
+            cute.make_tensor(ticket, cute.make_layout(1))[0] = Int32(0)
+    done = cute.arch.shuffle_sync(done, 0)
+    cute.arch.sync_warp()
+    return done == parts - 1
 
 
 # --------------------------------------------------------------------------------------------------------
 # Registry and launcher
 # --------------------------------------------------------------------------------------------------------
 
-def _build(n_tok: int, t_max: int = 1, grouped: bool = False, epilogue: str = "plain", split_k: bool = False,
-           tile_k: int = 64, cluster_n: int = 1):
-    kern = W4A16Gemm(n_tok, t_max, grouped, epilogue, split_k, tile_k, cluster_n=cluster_n)
+def _build(n_tok: int, t_max: int = 1, grouped: bool = False, epilogue: str = "plain", tile_k: int = 64,
+           cluster_n: int = 1):
+    kern = W4A16Gemm(n_tok, t_max, grouped, epilogue, tile_k, cluster_n=cluster_n)
     args = (fake_ptr(BFloat16), fake_ptr(Uint32), fake_ptr(Uint8, 16), fake_ptr(Float32, 4),
             fake_ptr(BFloat16), fake_ptr(Float32, 4), fake_ptr(Int32, 4), fake_ptr(Int32, 4),
-            fake_ptr(Float32, 4), fake_ptr(Int32, 4),
-            Int32(16), Int32(3072), Int32(7168), Int32(1), Int32(1), Int32(1), Float32(10.0), fake_stream())
+            Int32(16), Int32(3072), Int32(7168), Int32(1), Int32(1), Float32(10.0), fake_stream())
     return kern, args
 
 
 W4_CONFIGS = (
-    {"n_tok": 16},                                              # dense decode (M <= 16)
-    {"n_tok": 16, "split_k": True},                                # dense decode, split-K
+    {"n_tok": 16},                                              # dense SwiGLU w13 at M <= 16
+    {"n_tok": 64},                                                 # dense, M <= 64
     {"n_tok": 128, "t_max": 2},                                    # dense prefill
     {"n_tok": 16, "grouped": True, "epilogue": "swiglu"},             # MoE decode w13
     {"n_tok": 16, "grouped": True},                                # MoE decode w2
@@ -620,25 +579,25 @@ W4_CONFIGS = (
 
 register(KernelDef(
     "w4a16_gemm", "linear", SM90, _build, configs=W4_CONFIGS,
-    ci_configs=({"n_tok": 16, "split_k": True}, {"n_tok": 64, "t_max": 2, "grouped": True, "epilogue": "swiglu"}),
+    ci_configs=({"n_tok": 128, "t_max": 2}, {"n_tok": 64, "t_max": 2, "grouped": True, "epilogue": "swiglu"}),
     doc="NVFP4 x bf16 WGMMA GEMM, weights decoded in registers (swap-AB), dense/grouped, SwiGLU epilogue"))
 
 
 def _build_gemv(tok_tiles: int, chunks: int, split: int, warps: int = 8):
     kern = W4A16Gemv(tok_tiles, chunks, split, warps)
     args = (fake_ptr(BFloat16), fake_ptr(Uint32), fake_ptr(Uint8, 16), fake_ptr(Float32, 4), fake_ptr(BFloat16),
-            Int32(16), Int32(3072), Int32(7168), fake_stream())
+            fake_ptr(Float32), fake_ptr(Int32, 4), Int32(16), Int32(3072), Int32(7168), fake_stream())
     return kern, args
 
 
 register(KernelDef(
     "w4a16_gemv", "linear", BOTH, _build_gemv,
     # Pro and Flash expert shapes at their picked splits (pick_gemv_split), 1 and 2 token tiles
-    configs=({"tok_tiles": 2, "chunks": 14, "split": 8}, {"tok_tiles": 1, "chunks": 14, "split": 8, "warps": 4},
-             {"tok_tiles": 2, "chunks": 12, "split": 4}, {"tok_tiles": 1, "chunks": 12, "split": 4},
+    configs=({"tok_tiles": 2, "chunks": 8, "split": 14}, {"tok_tiles": 1, "chunks": 7, "split": 16},
+             {"tok_tiles": 2, "chunks": 12, "split": 4}, {"tok_tiles": 1, "chunks": 8, "split": 6, "warps": 4},
              {"tok_tiles": 2, "chunks": 8, "split": 8}, {"tok_tiles": 2, "chunks": 8, "split": 4}),
-    ci_configs=({"tok_tiles": 2, "chunks": 14, "split": 8}, {"tok_tiles": 1, "chunks": 8, "split": 1, "warps": 4}),
-    doc="NVFP4 x bf16 decode GEMM (M <= 16): mma.sync on in-register decoded weights, K split over a cluster"))
+    ci_configs=({"tok_tiles": 2, "chunks": 8, "split": 14}, {"tok_tiles": 1, "chunks": 8, "split": 1, "warps": 4}),
+    doc="NVFP4 x bf16 decode GEMM (M <= 16): mma.sync on in-register decoded weights, split-K"))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -651,15 +610,15 @@ def pick_dense_config(m: int, n: int, k: int, sms: int) -> dict:
     if m <= 16:
         return {"gemv": True, "split": pick_gemv_split(n, k, sms)}
     if m <= 64:
-        return {"n_tok": 64, "split": 1}
+        return {"n_tok": 64}
     # prefill: 256 tokens a CTA. Clusters sharing the activation tile gained nothing here on the H200 (Pro w1
     # at M = 2048: 156.1 us in pairs, 155.0 alone; 4096: 267.6 / 253.9): the dense GEMM is not bound by L2
-    return {"n_tok": 128, "t_max": 2, "split": 1}
+    return {"n_tok": 128, "t_max": 2}
 
 
 def w4a16_launch(x, pack, n: int, *, out=None, route_w=None, units=None, unit_count=None, lim: float = 0.0,
                  n_tok: int = 16, t_max: int = 1, grouped: bool = False, epilogue: str = "plain",
-                 split_k: bool = False, split: int = 1, tile_k: int = 64, cluster_n: int = 1):
+                 tile_k: int = 64, cluster_n: int = 1):
     """Launch one W4A16 GEMM. x bf16 [rows, K] (grouped: rows sorted by expert), pack = (blob, sblob, gscale)
     from w4_pack; returns out bf16 [rows, n] (swiglu: [rows, n/2])."""
     import torch
@@ -676,8 +635,8 @@ def w4a16_launch(x, pack, n: int, *, out=None, route_w=None, units=None, unit_co
         out = torch.empty(rows, n_out, dtype=torch.bfloat16, device=x.device)
     if rows == 0:
         return out
-    if (k // 64) % (split * (tile_k // 64)):
-        raise ValueError(f"split {split} x tile_k {tile_k} does not divide K = {k}")
+    if (k // 64) % (tile_k // 64):
+        raise ValueError(f"tile_k {tile_k} does not divide K = {k}")
     if (n // 128) % cluster_n:
         raise ValueError(f"W4A16 cannot group {n // 128} weight tiles in clusters of {cluster_n}")
     n_cta = n_tok * t_max
@@ -686,19 +645,13 @@ def w4a16_launch(x, pack, n: int, *, out=None, route_w=None, units=None, unit_co
     else:
         n_units = -(-rows // n_cta)
         units = unit_count = torch.zeros(3, dtype=torch.int32, device=x.device)
-    cfg = {"n_tok": n_tok, "t_max": t_max, "grouped": grouped, "epilogue": epilogue, "split_k": split_k, "tile_k": tile_k,
+    cfg = {"n_tok": n_tok, "t_max": t_max, "grouped": grouped, "epilogue": epilogue, "tile_k": tile_k,
            "cluster_n": cluster_n}
     fn = compile_kernel("w4a16_gemm", device_arch(x.device), **cfg)
-    if split_k:
-        ws = scratch("w4_partials", x.device, split * rows * n, torch.float32)
-        tickets = scratch("w4_tickets", x.device, n_units * (n // 128), torch.int32)
-    else:
-        ws, tickets = gscale, units
     rw = route_w if route_w is not None else gscale
     fn(ptr(x), ptr(blob, cutlass.Uint32), ptr(sblob, cutlass.Uint8), ptr(gscale, align=4), ptr(out),
        ptr(rw, cutlass.Float32, align=4), ptr(units, cutlass.Int32, align=4),
-       ptr(unit_count, cutlass.Int32, align=4), ptr(ws, cutlass.Float32, align=4),
-       ptr(tickets, cutlass.Int32, align=4), Int32(rows), Int32(n), Int32(k), Int32(n_units), Int32(split),
+       ptr(unit_count, cutlass.Int32, align=4), Int32(rows), Int32(n), Int32(k), Int32(n_units),
        Int32(blob.shape[0]), Float32(lim if lim > 0 else float("inf")), current_stream())
     return out
 
@@ -735,10 +688,14 @@ def w4a16_gemv(x, pack, n: int, split: int | None = None, warps: int = 8, out=No
         raise ValueError(f"split {split} is not one of the decode kernel's splits of K = {k}: {gemv_splits(k)}")
     if out is None:
         out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
-    fn = compile_kernel("w4a16_gemv", device_arch(x.device), tok_tiles=1 if rows <= 8 else 2,
-                        chunks=k // 64 // split, split=split, warps=warps)
-    fn(ptr(x), ptr(blob, cutlass.Uint32), ptr(sblob, cutlass.Uint8), ptr(gscale, align=4), ptr(out), Int32(rows),
-       Int32(n), Int32(k), current_stream())
+    tok_tiles = 1 if rows <= 8 else 2
+    fn = compile_kernel("w4a16_gemv", device_arch(x.device), tok_tiles=tok_tiles, chunks=k // 64 // split,
+                        split=split, warps=warps)
+    ws = scratch("w4_gemv_partials", x.device, split * n * 8 * tok_tiles, torch.float32)
+    tickets = scratch("w4_gemv_tickets", x.device, n // 16, torch.int32)
+    fn(ptr(x), ptr(blob, cutlass.Uint32), ptr(sblob, cutlass.Uint8), ptr(gscale, align=4), ptr(out),
+       ptr(ws, cutlass.Float32), ptr(tickets, cutlass.Int32, align=4), Int32(rows), Int32(n), Int32(k),
+       current_stream())
     return out
 
 

@@ -51,7 +51,7 @@ def test_ptx_has_register_sourced_bf16_wgmma_and_no_fp4_conversion(ptx_of):
     assert "e2m1" not in ptx and "mul.rn.bf16x2" in ptx and "cp.async.bulk.shared" in ptx
 
 
-@pytest.mark.parametrize("cfg", [{"n_tok": 16, "split_k": True, "tile_k": 128},
+@pytest.mark.parametrize("cfg", [{"n_tok": 16, "tile_k": 128},
                                  {"n_tok": 16, "grouped": True, "epilogue": "swiglu"}], ids=["decode", "moe"])
 def test_ptx_wgmma_groups_have_no_branch(cfg, ptx_of):
     """With one token sub-tile, a stage's WGMMAs are issued without a branch between fence and commit: under
@@ -65,8 +65,8 @@ def test_ptx_wgmma_groups_have_no_branch(cfg, ptx_of):
 def test_ptx_gemv_requests_every_byte_before_its_first_mma(tok_tiles, ptx_of):
     """The decode kernel: all of a warp's fragment and scale copies (and x's) are issued as cp.async groups
     before the first MMA, one group a chunk waited on in order; per k16 block one ldmatrix and one
-    m16n8k16 MMA per 8 tokens; the K parts summed from the cluster's shared memory (every part of a lane's
-    fragments, through mapa), no global workspace or atomics; no local memory."""
+    m16n8k16 MMA per 8 tokens; the last warp loads every part of its fragments at once, ordered by one
+    atomic and warp barriers (no GPU-scope fence); no local memory."""
     chunks, split = 6, 5
     ptx = ptx_of(gemm_w4a16._build_gemv, tok_tiles=tok_tiles, chunks=chunks, split=split)
     mma = [m.start() for m in re.finditer(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)]
@@ -77,21 +77,14 @@ def test_ptx_gemv_requests_every_byte_before_its_first_mma(tok_tiles, ptx_of):
     assert ptx.count("cp.async.commit_group") == chunks + 1
     waits = [int(w) for w in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)]
     assert waits == [chunks] + list(range(chunks - 1, -1, -1))
-    assert ptx.count("ld.shared::cluster.v4.f32") == ptx.count("mapa.shared::cluster") == split * tok_tiles
-    assert ptx.count("barrier.cluster.arrive;") == 2 and "atom." not in ptx and "st.global.f32" not in ptx
+    assert ptx.count("ld.global.cg.v4.f32") == split * tok_tiles        # every part's loads in one round
+    assert ptx.count("atom.") == 1 and "fence.acq_rel.gpu" not in ptx and "membar" not in ptx
     assert ".local" not in ptx and "e2m1" not in ptx
 
 
-def test_ptx_gemv_without_split_needs_no_cluster(ptx_of):
+def test_ptx_gemv_without_split_has_no_workspace(ptx_of):
     ptx = ptx_of(gemm_w4a16._build_gemv, tok_tiles=1, chunks=4, split=1, warps=4)
-    assert "barrier.cluster" not in ptx and "mapa" not in ptx and ptx.count("mma.sync.aligned") == 16
-
-
-def test_ptx_split_k_sum_keeps_loads_in_flight(ptx_of):
-    """The last CTA of a row tile sums the splits' fp32 partials with a thread's 8 values of 4 splits loaded
-    together (32 loads in the unrolled body), not one L2 round trip after another."""
-    ptx = ptx_of(gemm_w4a16._build, n_tok=16, split_k=True)
-    assert ptx.count("ld.global.cg.f32") >= 32
+    assert "atom." not in ptx and "ld.global.cg" not in ptx and ptx.count("mma.sync.aligned") == 16
 
 
 @pytest.mark.parametrize("tile_n", gemm_fp8.TILE_NS)
@@ -178,8 +171,6 @@ def test_invalid_configs_are_refused():
     with pytest.raises(ValueError):
         gemm_w4a16.W4A16Gemm(n_tok=12)
     with pytest.raises(ValueError):
-        gemm_w4a16.W4A16Gemm(n_tok=16, grouped=True, split_k=True)
-    with pytest.raises(ValueError):
         gemm_fp8.Fp8BlockGemm(tile_n=256)
     with pytest.raises(ValueError, match="tok_tiles"):
         gemm_w4a16.W4A16Gemv(3, 4, 1)
@@ -201,8 +192,8 @@ def test_gemv_launcher_refuses_what_it_cannot_run():
         gemm_w4a16.w4a16_gemv(x[:4], pack, 256, split=3)
     with pytest.raises(ValueError, match="GEMM asks"):
         gemm_w4a16.w4a16_gemv(x[:4], pack, 512, split=1)
-    assert gemm_w4a16.gemv_splits(1024) == [1, 2, 4, 8]
-    assert gemm_w4a16.gemv_splits(7168) == [7, 8]
+    assert gemm_w4a16.gemv_splits(1024) == [1, 2, 4, 8, 16]
+    assert gemm_w4a16.gemv_splits(7168) == [7, 8, 14, 16, 28]
 
 
 def test_fp8_config_fills_the_sms():
@@ -341,10 +332,8 @@ def test_dense_configs_are_legal(m, n, k):
         assert m <= 16 and cfg["split"] in gemm_w4a16.gemv_splits(k)
         gemm_w4a16.W4A16Gemv(1 if m <= 8 else 2, k // 64 // cfg["split"], cfg["split"])
         return
-    split, tile_k = cfg.get("split", 1), cfg.get("tile_k", 64)
-    assert (k // 64) % (split * (tile_k // 64)) == 0
-    assert cfg.get("split_k", False) == (split > 1)
-    gemm_w4a16.W4A16Gemm(**{kk: v for kk, v in cfg.items() if kk != "split"})   # a valid kernel config
+    assert (k // 64) % (cfg.get("tile_k", 64) // 64) == 0
+    gemm_w4a16.W4A16Gemm(**cfg)                                                 # a valid kernel config
 
 
 def test_decode_config_is_the_h200_best():

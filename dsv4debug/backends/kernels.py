@@ -266,7 +266,7 @@ class KernelsBackend(Backend):
             xc = x.contiguous()
             n13 = p13[0].shape[1] * 64
             cfg = {k: v for k, v in W4.pick_dense_config(xc.shape[0], n13, xc.shape[1], self._sms).items()
-                   if k in ("n_tok", "t_max", "tile_k")}  # the SwiGLU epilogue runs without split-K
+                   if k in ("n_tok", "t_max", "tile_k")}  # the fused SwiGLU is the WGMMA kernel's epilogue
             rw = (route_w if route_w is not None else torch.ones(xc.shape[0], device=x.device)).float().contiguous()
             h = W4.w4a16_launch(xc, p13, n13, route_w=rw, lim=limit, epilogue="swiglu", **cfg)
             return W4.w4a16_linear(h, p2, p2[0].shape[1] * 64)
