@@ -79,7 +79,6 @@ def phase_smoke() -> dict:
     import torch.nn.functional as F
     from dsv4_kernels import check_gemm as C
     from dsv4_kernels import gemm_fp8, gemm_w4a16, moe, w4_pack
-    from dsv4_kernels._common import sm_count
     gen = torch.Generator(device="cuda").manual_seed(1)
     r: dict = {}
     t0 = time.perf_counter()
@@ -127,7 +126,7 @@ def phase_smoke() -> dict:
             x = C._randn((m, 7168), gen)
             got = gemm_w4a16.w4a16_linear(x, pack, 3072)
             mm = C.compare(got.float(), (x.double() @ wd.double().T).float())
-            out.append({"m": m, "cos": mm["cos"], "nan": mm["nan"], "config": str(gemm_w4a16.pick_dense_config(m, 3072, 7168, sm_count(x.device)))})
+            out.append({"m": m, "cos": mm["cos"], "nan": mm["nan"], "config": str(gemm_w4a16.pick_dense_config(m, 3072, 7168))})
             log(f"  w4 smoke m={m}: cos {mm['cos']:.7f} nan {mm['nan']}")
         return out
 

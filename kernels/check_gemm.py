@@ -162,7 +162,7 @@ def check_w4(preset: str, ms=(1, 16, 4096), gen=None, log=print) -> list[Row]:
                             "cos(fp64 ref on dequantised W) >= 0.999", ok, mm["cos"], mm["max_err"], None,
                             mm["nan"], note=f"rel_l2 kernel {rel_l2(got, want):.3e} / cuBLAS bf16 "
                                             f"{rel_l2(cub, want):.3e}; config "
-                                            f"{K.pick_dense_config(m, n, k, sm_count(x.device))}"))
+                                            f"{K.pick_dense_config(m, n, k)}"))
             log(f"  w4a16 {preset} {name} M={m}: {'PASS' if ok else 'FAIL'} cos {mm['cos']:.7f}")
         # fused gate/up (interleaved w1/w3) with the SwiGLU epilogue, dense
         if name.endswith("w1"):
@@ -175,7 +175,7 @@ def check_w4(preset: str, ms=(1, 16, 4096), gen=None, log=print) -> list[Row]:
                 x = _randn((m, k), gen)
                 rw = torch.rand(m, device="cuda", generator=gen)
                 h = K.w4a16_launch(x, p13, 2 * n, route_w=rw, lim=LIMIT, epilogue="swiglu",
-                                   **{kk: v for kk, v in K.pick_dense_config(m, 2 * n, k, sm_count(x.device)).items()
+                                   **{kk: v for kk, v in K.pick_dense_config(m, 2 * n, k).items()
                                       if kk in ("n_tok", "t_max", "tile_k")})
                 g = (x.double() @ wd.double().T).to(torch.bfloat16).double()
                 u = (x.double() @ wd3.double().T).to(torch.bfloat16).double()
@@ -328,7 +328,7 @@ def bench_w4(preset: str, ms=(1, 16, 2048, 4096), gen=None, log=print, tune: boo
 
 def _w4_candidates(m: int, n: int, k: int, tune: bool) -> list[dict]:
     from .gemm_w4a16 import pick_dense_config
-    cands = [pick_dense_config(m, n, k, sm_count("cuda"))]
+    cands = [pick_dense_config(m, n, k)]
     if tune and m <= 16:
         from .gemm_w4a16 import gemv_splits
         cands += [c for sp in gemv_splits(k) for c in ({"gemv": True, "split": sp},

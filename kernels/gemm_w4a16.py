@@ -47,7 +47,6 @@ from ._common import (
     fmin_nan,
     register,
     scratch,
-    sm_count,
 )
 from ._tma_gemm import leave_cluster, load, multicast_op, shared_tile_partition, tma_pipeline
 
@@ -56,6 +55,7 @@ SMEM_BYTES = 227 * 1024
 CHUNK_WORDS = 4 * 32 * 4          # uint32 words of one (64-row block, 64-wide K chunk) of the blob
 CHUNK_SBYTES = 4 * 8 * 8          # scale bytes of one (64-row block, chunk)
 GEMV_MAX_CHUNKS = 16              # K chunks of one warp in the decode kernel (all in shared memory at once)
+GEMV_CHUNKS = 8                   # the chunks a warp the decode picks (4.5 KB of weights in flight a warp)
 GEMV_MAX_SPLIT = 32               # K parts of the decode kernel (the last warp loads all of them at once)
 SCALE_BIAS_BITS = (236 << 7) | (236 << 23)
 
@@ -604,11 +604,11 @@ register(KernelDef(
 # Torch launchers
 # --------------------------------------------------------------------------------------------------------
 
-def pick_dense_config(m: int, n: int, k: int, sms: int) -> dict:
+def pick_dense_config(m: int, n: int, k: int) -> dict:
     """Kernel configuration for a dense W4A16 GEMM of m tokens (decode: the mma.sync kernel, split-K;
     prefill: wide token tiles)."""
     if m <= 16:
-        return {"gemv": True, "split": pick_gemv_split(n, k, sms)}
+        return {"gemv": True, "split": pick_gemv_split(k)}
     if m <= 64:
         return {"n_tok": 64}
     # prefill: 256 tokens a CTA. Clusters sharing the activation tile gained nothing here on the H200 (Pro w1
@@ -662,11 +662,10 @@ def gemv_splits(k: int) -> list[int]:
     return [s for s in range(1, min(kc, GEMV_MAX_SPLIT) + 1) if kc % s == 0 and kc // s <= GEMV_MAX_CHUNKS]
 
 
-def pick_gemv_split(n: int, k: int, sms: int) -> int:
-    """The fewest K splits that give every SM two CTAs (a CTA's bytes are all in flight from its start, so
-    more CTAs than that only add partial sums), or the most splits where even those fall short."""
-    splits = gemv_splits(k)
-    return next((s for s in splits if n // 128 * s >= 2 * sms), splits[-1])
+def pick_gemv_split(k: int) -> int:
+    """The split that gives each warp GEMV_CHUNKS chunks of K, or the nearest: the fastest on the H200 for all
+    four expert shapes at M = 1 and 16, whatever their CTA count (benchmarks/results/gemm.json, decode_*)."""
+    return min(gemv_splits(k), key=lambda s: (abs(k // 64 // s - GEMV_CHUNKS), s))
 
 
 def w4a16_gemv(x, pack, n: int, split: int | None = None, warps: int = 8, out=None):
@@ -683,7 +682,7 @@ def w4a16_gemv(x, pack, n: int, split: int | None = None, warps: int = 8, out=No
     if blob.shape[0] != 1 or blob.shape[1] * 64 != n or blob.shape[2] * 64 != k:
         raise ValueError(f"packed weight is {blob.shape[0]} x {blob.shape[1] * 64}x{blob.shape[2] * 64}, GEMM asks "
                          f"one {n}x{k}")
-    split = split or pick_gemv_split(n, k, sm_count(x.device))
+    split = split or pick_gemv_split(k)
     if split not in gemv_splits(k):
         raise ValueError(f"split {split} is not one of the decode kernel's splits of K = {k}: {gemv_splits(k)}")
     if out is None:
@@ -703,7 +702,7 @@ def w4a16_linear(x, pack, n: int, config: dict | None = None, out=None):
     """x [..., K] bf16 @ W^T for one packed NVFP4 weight W [n, K] -> [..., n] bf16 (dense)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
-    cfg = dict(config or pick_dense_config(x2.shape[0], n, shape[-1], sm_count(x.device)))
+    cfg = dict(config or pick_dense_config(x2.shape[0], n, shape[-1]))
     if cfg.pop("gemv", False):
         y = w4a16_gemv(x2, pack, n, out=out, **cfg)
     else:

@@ -327,7 +327,7 @@ def test_route_plan_units_cover_every_row_once():
 @pytest.mark.parametrize("m", [1, 7, 16, 40, 300, 4096])
 @pytest.mark.parametrize("n,k", [(3072, 7168), (7168, 3072), (2048, 4096), (4096, 2048), (6144, 7168)])
 def test_dense_configs_are_legal(m, n, k):
-    cfg = gemm_w4a16.pick_dense_config(m, n, k, 132)
+    cfg = gemm_w4a16.pick_dense_config(m, n, k)
     if cfg.get("gemv"):
         assert m <= 16 and cfg["split"] in gemm_w4a16.gemv_splits(k)
         gemm_w4a16.W4A16Gemv(1 if m <= 8 else 2, k // 64 // cfg["split"], cfg["split"])
@@ -337,12 +337,12 @@ def test_dense_configs_are_legal(m, n, k):
 
 
 def test_decode_config_is_the_h200_best():
-    """Decode splits K into the most parts that keep one wave on 132 SMs, in 128-wide K stages: what the H200
-    measured fastest for the four expert shapes (of splits 1-16 and K stages 64 or 128 wide)."""
-    picks = [gemm_w4a16.pick_dense_config(16, n, k, 132)
+    """Decode runs the mma.sync kernel with 8 K chunks a warp: the fastest split on the H200 for all four expert
+    shapes at M = 1 and 16 (Pro w1 / w2, Flash w1 / w2: splits 14, 6, 8, 4; 2026-12-03 17:46)."""
+    picks = [gemm_w4a16.pick_dense_config(m, n, k) for m in (1, 16)
              for n, k in ((3072, 7168), (7168, 3072), (2048, 4096), (4096, 2048))]
-    assert [c["split"] for c in picks] == [4, 2, 8, 4] and all(c["tile_k"] == 128 for c in picks)
-
+    assert all(c["gemv"] for c in picks) and [c["split"] for c in picks] == [14, 6, 8, 4] * 2
+    assert gemm_w4a16.pick_gemv_split(64 * 20) == 2                   # nearest to 8 chunks: 10 (not 5)
 
 def test_pack_expert_from_checkpoint_weights():
     """The backend's per-expert packing (MXFP4 cast and NVFP4) decodes to the reference's dequantised weights."""

@@ -91,6 +91,29 @@ def test_grouped_moe(gen):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16])
+def test_w4a16_gemv_is_the_decoded_gemm_at_every_split(gen, m):
+    """The decode kernel at every split of K and CTA size: each output within its bf16 rounding and fp32
+    summation error of fp64 math on the decoded weights, the same bits call after call (tickets reset), and
+    an `out` view's other rows untouched."""
+    from dsv4_kernels import check_gemm as C
+    from dsv4_kernels import gemm_w4a16 as K
+    from dsv4_kernels import w4_pack
+    q, ws, s2, wd = C.rand_nvfp4_weight(1024, 2048, gen)
+    pack = w4_pack.pack_nvfp4(q, ws, s2)
+    x = C._randn((m, 2048), gen)
+    want = x.double() @ wd.double().T
+    bound = 2 ** -8 * want.abs() + 2 ** -20 * (x.double().abs() @ wd.double().abs().T)
+    for split in K.gemv_splits(2048):
+        for warps in (4, 8):
+            a = K.w4a16_gemv(x, pack, 1024, split, warps)
+            assert torch.equal(a, K.w4a16_gemv(x, pack, 1024, split, warps)), (split, warps)
+            assert bool(((a.double() - want).abs() <= bound).all()), (split, warps)
+    big = torch.full((m + 1, 1024), 7.0, dtype=torch.bfloat16, device="cuda")
+    K.w4a16_linear(x, pack, 1024, out=big[:m])
+    assert torch.equal(big[:m], K.w4a16_linear(x, pack, 1024)) and bool((big[m] == 7.0).all())
+
+
 def _mxfp4_expert(dim: int, inter: int, g: torch.Generator) -> list:
     """w1, w3, w2 of one MXFP4 expert of random weights (host tensors, as a checkpoint holds them)."""
     from dsv4debug.formats import QWeight, mxfp4_quantize

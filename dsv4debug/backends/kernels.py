@@ -105,8 +105,6 @@ class KernelsBackend(Backend):
         self._norm, self._rope, self._kv, self._mhc = _load_kernels()
         self._gemm = _load_gemm_kernels()
         _check_arch(self.device)
-        from dsv4_kernels._common import sm_count
-        self._sms = sm_count(self.device)               # W4A16 decode splits K by it
         self._packs: dict[tuple, object] = {}           # packed weights per QWeight, dropped at end_stage
         self._quantized: list[tuple] = []               # (x, its version, fp8_act_quant(x)), newest first
         self._gen = torch.Generator().manual_seed(0)     # block order of the paged KV round trip
@@ -265,7 +263,7 @@ class KernelsBackend(Backend):
             W4 = self._gemm["w4"]
             xc = x.contiguous()
             n13 = p13[0].shape[1] * 64
-            cfg = {k: v for k, v in W4.pick_dense_config(xc.shape[0], n13, xc.shape[1], self._sms).items()
+            cfg = {k: v for k, v in W4.pick_dense_config(xc.shape[0], n13, xc.shape[1]).items()
                    if k in ("n_tok", "t_max", "tile_k")}  # the fused SwiGLU is the WGMMA kernel's epilogue
             rw = (route_w if route_w is not None else torch.ones(xc.shape[0], device=x.device)).float().contiguous()
             h = W4.w4a16_launch(xc, p13, n13, route_w=rw, lim=limit, epilogue="swiglu", **cfg)
