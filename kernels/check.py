@@ -301,7 +301,7 @@ class Checker:
     KERNELS: ClassVar[dict[str, tuple[str, ...]]] = {          # the kernels each family's checks launch
         "norm": ("rmsnorm",), "rope": ("rope",), "nvfp4": ("nvfp4_amax", "nvfp4_quant", "nvfp4_dequant"),
         "kv_cache": ("kv_write", "kv_read"), "mhc": ("hc_mix", "hc_pre_apply", "hc_post"),
-        "gemm": ("fp8_act_quant", "fp8_block_gemm", "w4a16_gemm")}
+        "gemm": ("fp8_act_quant", "fp8_block_gemm", "w4a16_gemm", "w4a16_gemv")}
 
     def not_built(self, family: str) -> list[str]:
         """The family's kernels that are not built for this GPU (the Hopper-only GEMMs on a Blackwell)."""

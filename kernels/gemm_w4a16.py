@@ -29,6 +29,9 @@ Epilogues:
             rounded to bf16 (as the reference computes F.linear in bf16), NaN-propagating min/max.
 Clusters (cluster_n = 2, MoE prefill): two CTAs along N with the same work unit share the activation tile,
 each loading half of it and multicasting it to both (kernels/_tma_gemm.py); the weights stay per CTA.
+
+Dense decode (M <= 16) runs a second kernel on the same packed weights, W4A16Gemv: mma.sync m16n8k16 (whose A
+fragment order is the WGMMA one), many small CTAs whose bytes are all requested at their start, split-K.
 """
 from __future__ import annotations
 
@@ -592,10 +595,8 @@ def _build_gemv(tok_tiles: int, chunks: int, split: int, warps: int = 8):
 
 register(KernelDef(
     "w4a16_gemv", "linear", BOTH, _build_gemv,
-    # Pro and Flash expert shapes at their picked splits (pick_gemv_split), 1 and 2 token tiles
-    configs=({"tok_tiles": 2, "chunks": 8, "split": 14}, {"tok_tiles": 1, "chunks": 7, "split": 16},
-             {"tok_tiles": 2, "chunks": 12, "split": 4}, {"tok_tiles": 1, "chunks": 8, "split": 6, "warps": 4},
-             {"tok_tiles": 2, "chunks": 8, "split": 8}, {"tok_tiles": 2, "chunks": 8, "split": 4}),
+    # the Pro and Flash expert shapes at their picked splits (w1 / w2: 14 / 6 and 8 / 4), M <= 8 and <= 16
+    configs=tuple({"tok_tiles": t, "chunks": 8, "split": s} for s in (14, 6, 8, 4) for t in (1, 2)),
     ci_configs=({"tok_tiles": 2, "chunks": 8, "split": 14}, {"tok_tiles": 1, "chunks": 8, "split": 1, "warps": 4}),
     doc="NVFP4 x bf16 decode GEMM (M <= 16): mma.sync on in-register decoded weights, split-K"))
 
@@ -605,8 +606,8 @@ register(KernelDef(
 # --------------------------------------------------------------------------------------------------------
 
 def pick_dense_config(m: int, n: int, k: int) -> dict:
-    """Kernel configuration for a dense W4A16 GEMM of m tokens (decode: the mma.sync kernel, split-K;
-    prefill: wide token tiles)."""
+    """Kernel configuration for a dense W4A16 GEMM of m tokens (decode: the mma.sync kernel with its K split;
+    more tokens: the WGMMA kernel, prefill in wide token tiles)."""
     if m <= 16:
         return {"gemv": True, "split": pick_gemv_split(k)}
     if m <= 64:
