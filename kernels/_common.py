@@ -275,16 +275,17 @@ def fmin_nan(a: Float32, b: Float32) -> Float32:
                                 read_only_args=[a, b])
 
 
-def ld_cg_f32(addr: Int64) -> Float32:
-    """L2-coherent load (split-K partials written by other CTAs; never served from a stale L1 line)."""
-    return cute.arch.inline_ptx("ld.global.cg.f32 {$w0}, [{$r0}];", write_only_types=[Float32],
-                                read_only_args=[addr])
-
-
 def ld_cg_f32x2(addr: Int64):
-    """Two consecutive fp32 values (8-byte aligned) by one L2-coherent load."""
+    """Two consecutive fp32 values (8-byte aligned) by one L2-coherent load (split-K partials written by other
+    CTAs: never served from a stale L1 line)."""
     return cute.arch.inline_ptx("ld.global.cg.v2.f32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Float32, Float32],
                                 read_only_args=[addr])
+
+
+def ld_cg_f32x4(addr: Int64):
+    """Four consecutive fp32 values (16-byte aligned) by one L2-coherent load."""
+    return cute.arch.inline_ptx("ld.global.cg.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Float32] * 4, read_only_args=[addr])
 
 
 def group_sum(val, threads: int):

@@ -48,6 +48,7 @@ from ._common import (
     fake_stream,
     fmax_nan,
     fmin_nan,
+    ld_cg_f32x4,
     register,
     scratch,
 )
@@ -58,7 +59,7 @@ SMEM_BYTES = 227 * 1024
 CHUNK_WORDS = 4 * 32 * 4          # uint32 words of one (64-row block, 64-wide K chunk) of the blob
 CHUNK_SBYTES = 4 * 8 * 8          # scale bytes of one (64-row block, chunk)
 GEMV_MAX_CHUNKS = 16              # K chunks of one warp in the decode kernel (all in shared memory at once)
-GEMV_CHUNKS = 8                   # the chunks a warp the decode picks (4.5 KB of weights in flight a warp)
+GEMV_CHUNKS = 8                   # K chunks a warp that the decode's split aims at (4.5 KB in flight a warp)
 GEMV_MAX_SPLIT = 32               # K parts of the decode kernel (the last warp loads all of them at once)
 SCALE_BIAS_BITS = (236 << 7) | (236 << 23)
 
@@ -384,12 +385,6 @@ def st_global_v4(addr: Int64, vals: list):
     cute.arch.inline_ptx("st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[addr, *vals])
 
 
-def ld_cg_v4(addr: Int64):
-    """Four fp32 values written by other CTAs, from L2 (never a stale L1 line)."""
-    return cute.arch.inline_ptx("ld.global.cg.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Float32] * 4, read_only_args=[addr])
-
-
 def ldmatrix(smem_addr: Int32, count: int):
     """`count` (2 or 4) 8x8 bf16 matrices from shared memory, lane i addressing row i % 8 of matrix i / 8."""
     regs = ", ".join(f"{{$w{i}}}" for i in range(count))
@@ -524,7 +519,7 @@ class W4A16Gemv:
                 total.fill(0.0)
                 for p in cutlass.range_constexpr(self.split):
                     for i in cutlass.range_constexpr(self.nv // 4):
-                        got = ld_cg_v4(frag + Int64(p * part_bytes + 16 * i))
+                        got = ld_cg_f32x4(frag + Int64(p * part_bytes + 16 * i))
                         for e in cutlass.range_constexpr(4):
                             total[4 * i + e] = total[4 * i + e] + got[e]
                 self.store(total, mOut, gs_ptr, slab, g, q, rows)
