@@ -10,7 +10,8 @@ Phases (each writes DIR/<phase>.json; the driver then writes DIR/gemm.json and p
          grouped MoE vs the reference, cos >= 0.999)
   bench  FP8 linear and NVFP4 W4A16 linear against cuBLAS BF16 on the dequantised weights (M = 1..4096)
   moe    the Pro MoE layer (384 experts, top-6; 256 and 4096 tokens) against a loop of per-expert cuBLAS BF16
-  decode the W4A16 rows of bench at M = 1 and 16 only (every decode configuration of both kernels timed)
+  decode the W4A16 rows of bench at M = 1 and 16 (every decode configuration of both kernels timed) and the
+         Pro FP8 rows at M = 16
 A hung or crashing kernel costs one phase (timeout), not the run.
 """
 from __future__ import annotations
@@ -196,6 +197,7 @@ def phase_decode() -> dict:
     _try(r, "copy", C.time_copy_bandwidth)
     for preset in ("pro", "flash"):
         _try(r, f"w4_{preset}", lambda preset=preset: C.bench_w4(preset, ms=(1, 16), gen=gen, log=log))
+    _try(r, "fp8_pro", lambda: C.bench_fp8("pro", ms=(16,), gen=gen, log=log))
     return r
 
 
@@ -234,7 +236,7 @@ def summary(doc: dict) -> list[str]:
                      f"{'PASS' if row.get('passed') else 'FAIL'} cos={row.get('cos')} {row.get('note', '')[:90]}"
                      + (f" {row.get('error', '')[:200]}" if row.get("error") else ""))
     for phase, key in [("bench", k) for k in ("w4_pro", "w4_flash", "fp8_pro", "fp8_flash")] + [
-            ("decode", "w4_pro"), ("decode", "w4_flash")]:
+            ("decode", "w4_pro"), ("decode", "w4_flash"), ("decode", "fp8_pro")]:
         b = doc.get(phase, {})
         for r in b.get(key, []) if isinstance(b.get(key), list) else [b.get(key)]:
             if isinstance(r, dict) and "us" in r:

@@ -48,6 +48,7 @@ from ._common import (
     fake_stream,
     fmax_nan,
     fmin_nan,
+    last_split_part,
     ld_cg_f32x4,
     register,
     scratch,
@@ -413,8 +414,8 @@ class W4A16Gemv:
     CTA = `warps` warps = 16 x warps weight rows; grid = (N / rows, split): K in `split` parts. Each warp writes
     its fp32 fragments to a workspace; a ticket per 16-row slab counts the parts, and the warp that completes
     the last one sums them in split order (deterministic, all parts' loads in flight at once) and stores bf16
-    out. The ticket is ordered by the warp barrier and one acq_rel atomic, no GPU-scope fences (as CUTLASS's
-    split-K semaphores): with fences and 4 parts a load round, the sum cost ~2.5 us of 8.8 on the H200.
+    out (_common.last_split_part; with GPU-scope fences and 4 parts a load round, the sum cost ~2.5 us of 8.8 on
+    the H200).
     """
 
     def __init__(self, tok_tiles: int, chunks: int, split: int, warps: int = 8):
@@ -514,7 +515,7 @@ class W4A16Gemv:
             frag = ws_ptr.toint() + Int64(slab * 32 + lane) * (self.nv * 4)
             for i in cutlass.range_constexpr(self.nv // 4):
                 st_global_v4(frag + Int64(part * part_bytes + 16 * i), vals[4 * i:4 * i + 4])
-            if last_part(ticket_ptr + slab, self.split, lane):
+            if last_split_part(ticket_ptr + slab, self.split, lane):
                 total = cute.make_rmem_tensor(self.nv, Float32)
                 total.fill(0.0)
                 for p in cutlass.range_constexpr(self.split):
@@ -531,23 +532,6 @@ class W4A16Gemv:
             token = 8 * (i // 4) + 2 * q + i % 2
             if token < rows:
                 mOut[token, slab * 16 + g + 8 * (i % 4 // 2)] = (vals[i] * gs).to(BFloat16)
-
-
-@cute.jit
-def last_part(ticket: cute.Pointer, parts: cutlass.Constexpr, lane: Int32):
-    """Split-K, a ticket per warp's output values, called once the warp has written its part: counts the part;
-    true (across the warp) in the warp that completes the last one, which may then read every part, and which
-    resets the ticket for the next launch. The warp barrier orders the lanes' stores before lane 0's release
-    and the acquire before the lanes' loads."""
-    cute.arch.sync_warp()
-    done = Int32(0)
-    if lane == 0:
-        done = cute.arch.atomic_add(ticket, Int32(1), sem="acq_rel", scope="gpu")
-        if done == parts - 1:
-            cute.make_tensor(ticket, cute.make_layout(1))[0] = Int32(0)
-    done = cute.arch.shuffle_sync(done, 0)
-    cute.arch.sync_warp()
-    return done == parts - 1
 
 
 # --------------------------------------------------------------------------------------------------------
