@@ -295,7 +295,8 @@ def last_split_part(ticket: cute.Pointer, parts, lane: Int32):
     warp that completes the last one, which may then read every part (L2-coherent loads) and which resets the
     ticket for the next launch. The warp barriers order the lanes' stores before lane 0's release and its
     acquire before the lanes' loads, as CUTLASS's split-K semaphores order a CTA's: no GPU-scope fence (with
-    two, the W4A16 decode's sum cost ~1 us more on the H200)."""
+    two, the W4A16 decode's sum cost ~1 us more on the H200). The FP8 GEMM's split-K still has its own
+    ticket code with both fences: moving it here is not yet run on a GPU."""
     cute.arch.sync_warp()
     done = Int32(0)
     if lane == 0:

@@ -23,17 +23,7 @@ import cutlass
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, cute, pipeline
 from cutlass.cute.nvgpu import warpgroup
 
-from ._common import (
-    KernelDef,
-    bits_f32,
-    f32_bits,
-    fake_ptr,
-    fake_stream,
-    fmax_nan,
-    last_split_part,
-    ld_cg_f32x2,
-    register,
-)
+from ._common import KernelDef, bits_f32, f32_bits, fake_ptr, fake_stream, fmax_nan, ld_cg_f32x2, register
 from ._tma_gemm import CONSUMER_WARPS, TmaOperandsAB, leave_cluster
 
 SM90 = ("sm_90a",)
@@ -267,9 +257,17 @@ class Fp8BlockGemm(TmaOperandsAB):
                 pair[1] = acc[2 * p + 1]
                 off = cute.assume(bz * part + row * n + bx * self.tile_n + c, divby=2)
                 cute.autovec_copy(pair, cute.make_tensor(mWs.iterator + off, cute.make_layout(2)))
-        ticket = (by * (n // self.tile_n) + bx) * CONSUMER_WARPS + (warp - 4)
-        last = last_split_part(mTicket.iterator + ticket, n_split, lane)
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        done = Int32(0)
+        if lane == 0:
+            ticket = (by * (n // self.tile_n) + bx) * CONSUMER_WARPS + (warp - 4)
+            done = cute.arch.atomic_add(mTicket.iterator + ticket, Int32(1), sem="acq_rel", scope="gpu")
+            if done == n_split - 1:
+                mTicket[ticket] = Int32(0)                  # ready for the next launch
+        last = cute.arch.shuffle_sync(done, 0) == n_split - 1
         if last:
+            cute.arch.fence_acq_rel_gpu()
             acc.fill(0.0)
             # parts outermost, a thread's pairs within each: their loads are in flight together
             for z in cutlass.range(n_split, unroll=2):
