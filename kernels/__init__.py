@@ -5,6 +5,9 @@
     nvfp4      NVFP4 activation quantise / dequantise (E2M1 by integer code, e4m3 per 16, fp32 global)
     kv_cache   FP8 paged KV cache: quantise + write by slot mapping, read by block table + dequantise
     mhc        mHC pre (mixes, sigmoid, softmax + Sinkhorn, weighted stream sum) and post
+    gemm_fp8   FP8 block-scaled linear (per-1x128 activation quantiser, WGMMA, split-K, clusters; sm_90a)
+    gemm_w4a16 NVFP4 W4A16 linear: the WGMMA GEMM (dense, grouped MoE with SwiGLU; sm_90a) and the decode
+               kernel (mma.sync, M <= 16); weights repacked by w4_pack, MoE routing glue in moe
     sparse_attn  MQA sparse attention with sinks over gathered FP8-cache / bf16 rows (WGMMA, sm_90a)
     indexer    lightning indexer scores (WGMMA, sm_90a) and causal top-k (radix select)
     compressor KV compressor pooling (ratio 4 overlapping / 128), RMSNorm, RoPE, FP8 or Hadamard + FP4 QAT

@@ -657,8 +657,8 @@ def w4a16_gemv(x, pack, n: int, split: int | None = None, warps: int = 8, out=No
     rows, k = x.shape
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError("W4A16 takes contiguous bf16 activations")
-    if not 0 < rows <= 16:
-        raise ValueError(f"the W4A16 decode kernel takes 1 to 16 tokens, not {rows}")
+    if rows > 16:
+        raise ValueError(f"the W4A16 decode kernel takes at most 16 tokens, not {rows}")
     if blob.shape[0] != 1 or blob.shape[1] * 64 != n or blob.shape[2] * 64 != k:
         raise ValueError(f"packed weight is {blob.shape[0]} x {blob.shape[1] * 64}x{blob.shape[2] * 64}, GEMM asks "
                          f"one {n}x{k}")
@@ -667,6 +667,10 @@ def w4a16_gemv(x, pack, n: int, split: int | None = None, warps: int = 8, out=No
         raise ValueError(f"split {split} is not one of the decode kernel's splits of K = {k}: {gemv_splits(k)}")
     if out is None:
         out = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
+    elif out.shape != (rows, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bf16 [{rows}, {n}] tensor, not {out.dtype} {list(out.shape)}")
+    if rows == 0:
+        return out
     tok_tiles = 1 if rows <= 8 else 2
     fn = compile_kernel("w4a16_gemv", device_arch(x.device), tok_tiles=tok_tiles, chunks=k // 64 // split,
                         split=split, warps=warps)

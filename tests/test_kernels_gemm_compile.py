@@ -186,8 +186,11 @@ def test_gemv_launcher_refuses_what_it_cannot_run():
     pack = (torch.zeros(1, 4, 16, 4, 32, 4, dtype=torch.int32), torch.zeros(1, 4, 16, 4, 8, 8, dtype=torch.uint8),
             torch.ones(1))                                                     # a [256, 1024] weight
     x = torch.zeros(17, 1024, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="1 to 16 tokens"):
+    with pytest.raises(ValueError, match="at most 16 tokens"):
         gemm_w4a16.w4a16_gemv(x, pack, 256, split=1)
+    with pytest.raises(ValueError, match="contiguous bf16 \\[4, 256\\]"):
+        gemm_w4a16.w4a16_gemv(x[:4], pack, 256, split=1, out=torch.empty(4, 512, dtype=torch.bfloat16)[:, :256])
+    assert gemm_w4a16.w4a16_linear(x[:0], pack, 256).shape == (0, 256)            # no tokens: no launch
     with pytest.raises(ValueError, match="splits of K = 1024"):
         gemm_w4a16.w4a16_gemv(x[:4], pack, 256, split=3)
     with pytest.raises(ValueError, match="GEMM asks"):
