@@ -175,8 +175,7 @@ def check_w4(preset: str, ms=(1, 16, 4096), gen=None, log=print) -> list[Row]:
                 x = _randn((m, k), gen)
                 rw = torch.rand(m, device="cuda", generator=gen)
                 h = K.w4a16_launch(x, p13, 2 * n, route_w=rw, lim=LIMIT, epilogue="swiglu",
-                                   **{kk: v for kk, v in K.pick_dense_config(m, 2 * n, k).items()
-                                      if kk in ("n_tok", "t_max", "tile_k")})
+                                   **K.pick_swiglu_config(m, 2 * n, k))
                 g = (x.double() @ wd.double().T).to(torch.bfloat16).double()
                 u = (x.double() @ wd3.double().T).to(torch.bfloat16).double()
                 want = F.silu(g.clamp(max=LIMIT)) * u.clamp(-LIMIT, LIMIT) * rw.double()[:, None]
@@ -327,13 +326,13 @@ def bench_w4(preset: str, ms=(1, 16, 2048, 4096), gen=None, log=print, tune: boo
 
 
 def _w4_candidates(m: int, n: int, k: int, tune: bool) -> list[dict]:
-    from .gemm_w4a16 import pick_dense_config
+    from .gemm_w4a16 import pick_dense_config, pick_swiglu_config
     cands = [pick_dense_config(m, n, k)]
     if tune and m <= 16:
         from .gemm_w4a16 import gemv_splits
         cands += [c for sp in gemv_splits(k) for c in ({"gemv": True, "split": sp},
                                                        {"gemv": True, "split": sp, "warps": 4}) if c not in cands]
-        cands.append({"n_tok": 16, "tile_k": 128})             # the WGMMA kernel, K whole (the SwiGLU w13's)
+        cands.append(pick_swiglu_config(m, n, k))              # the WGMMA kernel (the fused SwiGLU's in decode)
     if tune and m >= 2048:
         for c in ({"n_tok": 128, "t_max": 2, "tile_k": 128}, {"n_tok": 128, "t_max": 1},
                   {"n_tok": 64, "t_max": 4, "tile_k": 128}):

@@ -339,6 +339,15 @@ def test_dense_configs_are_legal(m, n, k):
     gemm_w4a16.W4A16Gemm(**cfg)                                                 # a valid kernel config
 
 
+@pytest.mark.parametrize("m", [1, 16, 40, 300])
+def test_swiglu_configs_are_wgmma_configs(m):
+    """The fused w1|w3 + SwiGLU runs the WGMMA kernel at every M (the decode kernel has no such epilogue), with
+    128-wide K stages in decode."""
+    cfg = gemm_w4a16.pick_swiglu_config(m, 6144, 7168)
+    gemm_w4a16.W4A16Gemm(**cfg, epilogue="swiglu")
+    assert "gemv" not in cfg and (m > 16 or cfg == {"n_tok": 16, "tile_k": 128})
+
+
 def test_decode_config_is_the_h200_best():
     """Decode runs the mma.sync kernel with 8 K chunks a warp: the fastest split on the H200 for all four expert
     shapes at M = 1 and 16 (Pro w1 / w2, Flash w1 / w2: splits 14, 6, 8, 4; 2026-12-03 17:46)."""

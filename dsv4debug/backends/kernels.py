@@ -263,10 +263,9 @@ class KernelsBackend(Backend):
             W4 = self._gemm["w4"]
             xc = x.contiguous()
             n13 = p13[0].shape[1] * 64
-            cfg = {k: v for k, v in W4.pick_dense_config(xc.shape[0], n13, xc.shape[1]).items()
-                   if k in ("n_tok", "t_max", "tile_k")}  # the fused SwiGLU is the WGMMA kernel's epilogue
             rw = (route_w if route_w is not None else torch.ones(xc.shape[0], device=x.device)).float().contiguous()
-            h = W4.w4a16_launch(xc, p13, n13, route_w=rw, lim=limit, epilogue="swiglu", **cfg)
+            h = W4.w4a16_launch(xc, p13, n13, route_w=rw, lim=limit, epilogue="swiglu",
+                                **W4.pick_swiglu_config(xc.shape[0], n13, xc.shape[1]))
             return W4.w4a16_linear(h, p2, p2[0].shape[1] * 64)
         if w1.fmt == "fp8":
             # three FP8 linears; the SwiGLU between them is torch (as dsv4_references.moe.expert computes it)
