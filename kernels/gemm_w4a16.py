@@ -586,9 +586,9 @@ register(KernelDef(
 
 def pick_dense_config(m: int, n: int, k: int) -> dict:
     """Kernel configuration for a dense W4A16 GEMM of m tokens (decode: the mma.sync kernel with its K split;
-    more tokens: the WGMMA kernel, prefill in wide token tiles)."""
+    more tokens, or a K the decode kernel cannot split: the WGMMA kernel, prefill in wide token tiles)."""
     if m <= 16:
-        return {"gemv": True, "split": pick_gemv_split(k)}
+        return {"gemv": True, "split": pick_gemv_split(k)} if gemv_splits(k) else {"n_tok": 16}
     if m <= 64:
         return {"n_tok": 64}
     # prefill: 256 tokens a CTA. Clusters sharing the activation tile gained nothing here on the H200 (Pro w1

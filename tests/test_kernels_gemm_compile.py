@@ -328,9 +328,12 @@ def test_route_plan_units_cover_every_row_once():
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 40, 300, 4096])
-@pytest.mark.parametrize("n,k", [(3072, 7168), (7168, 3072), (2048, 4096), (4096, 2048), (6144, 7168)])
+@pytest.mark.parametrize("n,k", [(3072, 7168), (7168, 3072), (2048, 4096), (4096, 2048), (6144, 7168), (256, 64 * 37)])
 def test_dense_configs_are_legal(m, n, k):
+    """Every pick is a legal kernel configuration; decode takes the mma.sync kernel wherever it can split K
+    (K = 37 chunks cannot be: a prime above the most parts), else the WGMMA kernel."""
     cfg = gemm_w4a16.pick_dense_config(m, n, k)
+    assert cfg.get("gemv", False) == (m <= 16 and k != 64 * 37)
     if cfg.get("gemv"):
         assert m <= 16 and cfg["split"] in gemm_w4a16.gemv_splits(k)
         gemm_w4a16.W4A16Gemv(1 if m <= 8 else 2, k // 64 // cfg["split"], cfg["split"])
