@@ -288,6 +288,21 @@ def ld_cg_f32x4(addr: Int64):
                                 write_only_types=[Float32] * 4, read_only_args=[addr])
 
 
+def ld_nc_u32x4(addr: Int64):
+    """16 bytes (16-byte aligned) by one load through the read-only data path: data no kernel writes while
+    this one runs."""
+    return cute.arch.inline_ptx("ld.global.nc.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Uint32] * 4, read_only_args=[addr])
+
+
+def mma_bf16_16816(a: tuple, b: tuple, c: tuple):
+    """D = A B + C, one m16n8k16 bf16 MMA with fp32 accumulators (4 A, 2 B, 4 C registers a lane)."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
+
+
 @cute.jit
 def last_split_part(ticket: cute.Pointer, parts, lane: Int32):
     """Split-K with a ticket per warp's set of output values (the same set in every part, so warps never wait

@@ -50,6 +50,7 @@ from ._common import (
     fmin_nan,
     last_split_part,
     ld_cg_f32x4,
+    mma_bf16_16816,
     register,
     scratch,
 )
@@ -391,14 +392,6 @@ def ldmatrix(smem_addr: Int32, count: int):
     regs = ", ".join(f"{{$w{i}}}" for i in range(count))
     return cute.arch.inline_ptx(f"ldmatrix.sync.aligned.m8n8.x{count}.shared.b16 {{{regs}}}, [{{$r0}}];",
                                 write_only_types=[Uint32] * count, read_only_args=[smem_addr])
-
-
-def mma_bf16_16816(a: tuple, b: tuple, c: tuple):
-    """D = A B + C, one m16n8k16 bf16 MMA with fp32 accumulators (4 A, 2 B, 4 C registers a lane)."""
-    return cute.arch.inline_ptx(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
-        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
-        write_only_types=[Float32] * 4, read_only_args=[*a, *b, *c])
 
 
 class W4A16Gemv:
