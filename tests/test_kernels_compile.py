@@ -116,3 +116,40 @@ def test_site_stats_table_covers_every_tensor_once():
         assert list(mine[:, 2]) == list(range(first, first + len(mine)))
         assert list(mine[:, 0]) == [address + 16 * BLOCK_VECTORS * b for b in range(len(mine))]
         assert mine[:, 1].sum() == n_vec and (mine[:-1, 1] == BLOCK_VECTORS).all() and mine[-1, 1] > 0
+
+
+def test_resources_read_from_the_cubin():
+    """--resources: registers, local memory and threads come from the cubin ptxas wrote. hc_mix_mma is built for
+    512 threads (.reqntid), so ptxas may give it at most 128 registers; it was written to fit them unspilled."""
+    from dsv4_kernels.compile import compile_in_child
+    row = compile_in_child("hc_mix_mma", {"K": 4 * 7168, "nmix": 24}, "sm_90a", resources=True)
+    assert row["ok"], row["error"]
+    assert row["threads"] == 512 and 64 <= row["registers"] <= 128 and row["local_bytes"] == 0
+    assert row["ctas_per_sm_by_registers"] == 65536 // (-(-row["registers"] // 8) * 8 * 512)
+
+
+def test_resources_see_local_memory(tmp_path):
+    """A kernel whose register array is indexed at run time lives in local memory: cubin_resources says so, so
+    the spill check below can fail."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).parent / "fixtures" / "spilling_kernel.py"
+    env = dict(os.environ, CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, str(script), "sm_90a", str(tmp_path)], env=env, capture_output=True,
+                          text=True, check=False, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    usage = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert usage["local_bytes"] >= 64 * 4 and usage["threads"] == 32 and usage["registers"] > 0
+
+
+def test_no_kernel_spills_to_local_memory():
+    """Every kernel's CI configuration for sm_90a keeps its values in registers: a change that makes ptxas spill
+    (local memory, a performance cliff no CPU test would otherwise see) fails here with the kernel's name."""
+    from dsv4_kernels.compile import compile_all
+    rows = compile_all(["sm_90a"], "ci", resources=True)
+    assert all(r["ok"] for r in rows), [(r["kernel"], r["error"]) for r in rows if not r["ok"]]
+    spilled = [(r["kernel"], r["config"], r["local_bytes"]) for r in rows if r["local_bytes"]]
+    assert not spilled, spilled
+    assert all(r["registers"] for r in rows)

@@ -37,6 +37,10 @@ def compile_cmd(arch: Annotated[str, typer.Option(help="comma-separated targets"
                     help="also write each config's PTX into this new (or empty) directory, one compile process "
                          "per config: `diff -r` two trees' directories to see whether a change alters a kernel")]
                 = None,
+                resources: Annotated[bool, typer.Option(
+                    "--resources", help="also read each compiled kernel's registers a thread, local memory (spills) "
+                                        "and CTAs an SM holds by registers from its cubin, one compile process "
+                                        "per config")] = False,
                 as_json: JsonOpt = False) -> None:
     """Compile every kernel for each target arch on this machine (no GPU: CUTE_DSL_ARCH-style targets, fake
     tensors). Exit 1 when any compile fails."""
@@ -66,7 +70,7 @@ def compile_cmd(arch: Annotated[str, typer.Option(help="comma-separated targets"
 
     import time
     t0 = time.perf_counter()
-    rows = compile_all(archs, subset, kernel, progress, ptx)
+    rows = compile_all(archs, subset, kernel, progress, ptx, resources)
     total = time.perf_counter() - t0
     ok = all(r["ok"] for r in rows)
     if as_json:
@@ -74,10 +78,12 @@ def compile_cmd(arch: Annotated[str, typer.Option(help="comma-separated targets"
                           "rows": [{k: v for k, v in r.items() if k != "traceback"} for r in rows]}, indent=1))
     else:
         t = Table(title=f"CuTeDSL compile ({len(rows)} kernels x configs x archs, {total:.1f} s)")
-        for col in ("kernel", "family", "arch", "config", "seconds", "ok"):
-            t.add_column(col)
+        usage = ("registers", "local_bytes", "threads", "ctas_per_sm_by_registers") if resources else ()
+        for col in ("kernel", "family", "arch", "config", "seconds", *usage, "ok"):
+            t.add_column({"local_bytes": "local B", "ctas_per_sm_by_registers": "CTAs/SM (regs)"}.get(col, col))
         for r in rows:
             t.add_row(r["kernel"], r["family"], r["arch"], r["config"] or "-", f"{r['seconds']:.2f}",
+                      *(_fmt(r.get(c)) for c in usage),
                       "[green]ok[/]" if r["ok"] else f"[red]FAILED[/] {r['error']}")
         out.print(t)
         for r in rows:
