@@ -178,9 +178,10 @@ def phase_check() -> dict:
 def phase_bench() -> dict:
     import torch
     from dsv4_kernels import check_gemm as C
+    from dsv4_kernels.check import copy_bandwidth
     gen = torch.Generator(device="cuda").manual_seed(3)
     r: dict = {}
-    _try(r, "copy", C.time_copy_bandwidth)
+    _try(r, "copy", copy_bandwidth)
     _try(r, "cublas_peak", C.cublas_peak)
     log(f"  copy {r.get('copy')} cuBLAS {r.get('cublas_peak')}")
     _try(r, "w4_pro", lambda: C.bench_w4("pro", gen=gen, log=log))
@@ -193,9 +194,10 @@ def phase_bench() -> dict:
 def phase_decode() -> dict:
     import torch
     from dsv4_kernels import check_gemm as C
+    from dsv4_kernels.check import copy_bandwidth
     gen = torch.Generator(device="cuda").manual_seed(3)
     r: dict = {}
-    _try(r, "copy", C.time_copy_bandwidth)
+    _try(r, "copy", copy_bandwidth)
     for preset in ("pro", "flash"):
         _try(r, f"w4_{preset}", lambda preset=preset: C.bench_w4(preset, ms=(1, 16), gen=gen, log=log))
     _try(r, "fp8_pro", lambda: C.bench_fp8("pro", ms=(16,), gen=gen, log=log))

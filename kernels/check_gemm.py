@@ -464,14 +464,6 @@ def _bench_moe_tokens(preset, T, w13, w2, b13, b2, gen, log, check_tokens, tune)
     return r
 
 
-def time_copy_bandwidth() -> dict:
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    us = _t(lambda i: dst.copy_(src), 1, reps=10)
-    return {"GBps": 2 * n / us / 1e3}
-
-
 def cublas_peak() -> dict:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
