@@ -80,7 +80,8 @@ def compile_cmd(arch: Annotated[str, typer.Option(help="comma-separated targets"
         t = Table(title=f"CuTeDSL compile ({len(rows)} kernels x configs x archs, {total:.1f} s)")
         usage = ("registers", "local_bytes", "threads", "ctas_per_sm_by_registers") if resources else ()
         for col in ("kernel", "family", "arch", "config", "seconds", *usage, "ok"):
-            t.add_column({"local_bytes": "local B", "ctas_per_sm_by_registers": "CTAs/SM (regs)"}.get(col, col))
+            t.add_column({"registers": "regs", "local_bytes": "local B", "ctas_per_sm_by_registers": "CTAs/SM",
+                          "seconds": "s"}.get(col, col), no_wrap=col in ("kernel", "config"))
         for r in rows:
             t.add_row(r["kernel"], r["family"], r["arch"], r["config"] or "-", f"{r['seconds']:.2f}",
                       *(_fmt(r.get(c)) for c in usage),
