@@ -4,8 +4,9 @@ matrices for each forward, which made it most of a reference layer's GPU time at
 
 Formulations, all checked bit-identical to eager dequantisation: eager (~10 passes with an int64 gather),
 the fused torch.compile'd graph for static shapes (what QWeight.dequantize(fused=True) runs on a GPU), the
-same graph compiled for dynamic shapes, and the static graph with E2M1 decoded by arithmetic instead of the
-table gather (a candidate not yet run on a GPU; --code writes each graph's Triton code). Then an expert's three matrices as three fused calls against one
+same graph compiled for dynamic shapes (--code writes each graph's Triton code). E2M1 decoded by arithmetic
+instead of the table gather was tried on 2026-12-04: slower (173 vs 157 us NVFP4, 202 vs 109 us MXFP4) and,
+compiled for the GPU, not bit-identical. Then an expert's three matrices as three fused calls against one
 dequantize_all call (one compiled graph, one host dispatch): the reference forward is bound by the host.
 
     python benchmarks/bench_dequant.py --out DIR [--code DIR]   # writes DIR/dequant.json (default: results/)
@@ -40,24 +41,6 @@ def stored(fmt: str, w: torch.Tensor) -> list[torch.Tensor]:
     return [packed, scale.view(torch.uint8)]
 
 
-def arith_decode(packed: torch.Tensor) -> torch.Tensor:
-    """F.e2m1_decode by arithmetic on the code's bits instead of a table gather: sign s, exponent e, mantissa m;
-    e = 0 gives m / 2, else (2 + m) * 2^(e - 2). Integer and float ops only, no bit-pattern view (a view ended
-    inductor's fused kernel: 257 us, 2026-12-02); bit-identical to the table for all 256 bytes."""
-    c = F.unpack_nibbles(packed).to(torch.int32)
-    e, m = (c >> 1) & 3, (c & 1).to(torch.float32)
-    mag = torch.where(e == 0, 0.5 * m, (2 + m) * (1 << e).to(torch.float32) * 0.25)
-    return torch.where(c >= 8, -mag, mag)                                # code 8 is -0
-
-
-def arith_dequantized(fmt: str, dtype: torch.dtype, w: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
-    """F._dequantized with arith_decode (the candidate to replace the table gather of F.e2m1_decode)."""
-    block = F.NVFP4_BLOCK if fmt == "nvfp4" else F.MXFP4_BLOCK
-    scale = scales[0].float() * scales[1].float() if fmt == "nvfp4" else F.e8m0_float(scales[0])
-    values = arith_decode(w.reshape(-1, block // 2))
-    return (values * scale.reshape(-1, 1)).view(w.shape[0], 2 * w.shape[1]).to(dtype)
-
-
 def write_code(folder: Path, name: str, fn, tensors) -> None:
     """The Triton code inductor generated for fn (to see what a slow variant's kernel does)."""
     from torch._inductor.utils import run_and_get_code
@@ -85,11 +68,9 @@ def main() -> None:
         moved = sum(t.numel() * t.element_size() for t in tensors) + out_f * in_f * 2
         dequantize = functools.partial(F._dequantized, fmt, torch.bfloat16)
         want = dequantize(*tensors)
-        arith = functools.partial(arith_dequantized, fmt, torch.bfloat16)
         variants = {"eager": dequantize,
                     "fused, dynamic shapes": F.exact_compile(dequantize),
-                    "fused, static shapes": F.exact_compile(dequantize, dynamic=False),
-                    "arithmetic decode, static": F.exact_compile(arith, dynamic=False)}
+                    "fused, static shapes": F.exact_compile(dequantize, dynamic=False)}
         for name, fn in variants.items():
             if args.code and name != "eager":
                 write_code(args.code, f"{fmt} {name}", fn, tensors)

@@ -288,13 +288,6 @@ def ld_cg_f32x4(addr: Int64):
                                 write_only_types=[Float32] * 4, read_only_args=[addr])
 
 
-def ld_nc_u32x4(addr: Int64):
-    """16 bytes (16-byte aligned) by one load through the read-only data path: data no kernel writes while
-    this one runs."""
-    return cute.arch.inline_ptx("ld.global.nc.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Uint32] * 4, read_only_args=[addr])
-
-
 def mma_bf16_16816(a: tuple, b: tuple, c: tuple):
     """D = A B + C, one m16n8k16 bf16 MMA with fp32 accumulators (4 A, 2 B, 4 C registers a lane)."""
     return cute.arch.inline_ptx(

@@ -305,7 +305,7 @@ class Checker:
     FAMILIES = ("norm", "rope", "nvfp4", "kv_cache", "mhc", "gemm")
     KERNELS: ClassVar[dict[str, tuple[str, ...]]] = {          # the kernels each family's checks launch
         "norm": ("rmsnorm",), "rope": ("rope",), "nvfp4": ("nvfp4_amax", "nvfp4_quant", "nvfp4_dequant"),
-        "kv_cache": ("kv_write", "kv_read"), "mhc": ("hc_mix", "hc_mix_mma", "hc_pre_apply", "hc_post"),
+        "kv_cache": ("kv_write", "kv_read"), "mhc": ("hc_mix", "hc_pre_apply", "hc_post"),
         "gemm": ("fp8_act_quant", "fp8_block_gemm", "w4a16_gemm", "w4a16_gemv")}
 
     def not_built(self, family: str) -> list[str]:
@@ -559,13 +559,6 @@ class Checker:
         wm = _mixes(xs[0].float(), fn, neps)
         self.add(abs_row("hc_pre", "mixes (hc_mix kernel)", _shape(S, nmix), K.hc_mixes(xs[0], fn, neps), wm,
                          tol=1e-4))
-        # the tensor-core mixes (hc_mix_mma), not yet the default: their mixes, and hc_pre and hc_head timed on them
-        self.add(abs_row("hc_pre", "mixes (hc_mix_mma kernel)", _shape(S, nmix),
-                         K.hc_mixes(xs[0], fn, neps, tensor_cores=True), wm, tol=1e-4))
-        y_tc = K.hc_pre(xs[0], fn, scale, base, iters, neps, heps, tensor_cores=True)[0]
-        self.add(sum_row("hc_pre", "y, mixes by hc_mix_mma", _shape(S, M, D), y_tc, wy, xa.sum(-2)),
-                 self._bench(lambda i: K.hc_pre(xs[i], fn, scale, base, iters, neps, heps, tensor_cores=True),
-                             pre_torch, nbytes))
         # hc_post
         a_s = [_bf16((S, D), 1.0, g) for _ in range(k)]
         nb_post = S * D * 2 + 2 * S * M * D * 2 + S * (M + M * M) * 4
@@ -586,11 +579,10 @@ class Checker:
                                               lambda i: compiled(ref.hc_head)(xs[i], hfn, hscale, hbase, neps,
                                                                               heps))}
         want = ref.hc_head(xs[0].float(), hfn, hscale, hbase, neps, heps)
-        for case, tc in (("y", False), ("y, mixes by hc_mix_mma", True)):
-            got = K.hc_head(xs[0], hfn, hscale, hbase, neps, heps, tensor_cores=tc)
-            self.add(sum_row("hc_head", case, _shape(S, M, D), got, want, xa.sum(-2)),
-                     self._bench(lambda i, tc=tc: K.hc_head(xs[i], hfn, hscale, hbase, neps, heps, tensor_cores=tc),
-                                 head_torch, S * M * D * 2 + S * D * 2))
+        got = K.hc_head(xs[0], hfn, hscale, hbase, neps, heps)
+        self.add(sum_row("hc_head", "y", _shape(S, M, D), got, want, xa.sum(-2)),
+                 self._bench(lambda i: K.hc_head(xs[i], hfn, hscale, hbase, neps, heps), head_torch,
+                             S * M * D * 2 + S * D * 2))
 
 
 def _abs_amax(t):

@@ -14,7 +14,7 @@ hc_post is one kernel: out[s, k] = post[s, k] * a[s] + sum_j comb[s, j, k] * res
 from __future__ import annotations
 
 import cutlass
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr, cute
+from cutlass import BFloat16, Float32, Int32, const_expr, cute
 from cutlass.memory import SmemAllocator
 
 from ._common import (
@@ -27,8 +27,6 @@ from ._common import (
     fake_ptr,
     fake_stream,
     group_sum,
-    ld_nc_u32x4,
-    mma_bf16_16816,
     ptr,
     register,
 )
@@ -144,136 +142,6 @@ class HcMix:
                 v = group_sum(acc[tk, n], 32)
                 if lane == n % 32 and tok < S:
                     mO[n, tok] = v * rstd
-
-
-class HcMixMma:
-    """hc_mix on tensor cores: x bf16 [S, K], fn as bf16 hi + lo [2, NP, K] (fn = hi + lo to 16 significant
-    bits; NP = nmix rounded up to 8, zero rows past nmix) -> mixes fp32 [S, nmix].
-
-    The SIMT kernel's 24 FMAs per feature and token bound it (hc_pre at ~2.3x hc_head's 4 mixes); here they
-    are mma.sync m16n8k16 with fp32 accumulators, x.hi + x.lo for each of NP / 8 column tiles. A CTA holds
-    `mtiles` tiles of 16 tokens, each split over `kparts` warps along K: warp (p, m) walks features
-    [p K / kparts, (p + 1) K / kparts) in blocks of 32. The features of a block are permuted the same way for
-    x and fn, so that every lane loads 16 contiguous bytes of one row of each (no shuffles, no shared-memory
-    staging): lane (g, q) reads features 8q..8q+7 of x rows g and g+8 and of fn rows g (+8 per column tile);
-    k-step s (two per block) takes features 8q+4s+{0,1} as the fragment's columns 2q, 2q+1 and 8q+4s+{2,3}
-    as 2q+8, 2q+9. The next block's registers are loaded while this one is multiplied; fn (2.75 MB at Pro
-    shapes) is read through L1 by the CTA's `mtiles` warps of one K part. The sums of squares come from the
-    same x registers. The K parts' partial sums meet in shared memory and are added in part order
-    (deterministic), then times rsqrt(mean + eps)."""
-
-    def __init__(self, K: int, nmix: int = 24, mtiles: int = 2, kparts: int = 8):
-        self.np = -(-nmix // 8) * 8
-        self.nt = self.np // 8
-        if K % (kparts * 64):
-            raise ValueError(f"hc_mix_mma: K={K} must be a multiple of {kparts * 64}")
-        if mtiles * kparts * 32 > 1024:
-            raise ValueError("hc_mix_mma: at most 32 warps a CTA")
-        self.K, self.nmix, self.mtiles, self.kparts = K, nmix, mtiles, kparts
-        self.threads = 32 * mtiles * kparts
-        self.tokens_per_cta = 16 * mtiles
-        self.blocks = K // kparts // 32                   # 32-feature blocks of one warp (even)
-        self.words = 8 + 8 * self.nt                     # registers of a block: x rows g, g+8; fn hi, lo a tile
-
-    @cute.jit
-    def __call__(self, x_ptr: cute.Pointer, fn_ptr: cute.Pointer, o_ptr: cute.Pointer, S: Int32, eps: Float32,
-                 stream):
-        mO = cute.make_tensor(o_ptr, cute.make_layout((self.nmix, S), stride=(1, self.nmix)))
-        self.kernel(x_ptr, fn_ptr, mO, S, eps).launch(
-            grid=[cute.ceil_div(S, self.tokens_per_cta), 1, 1], block=[self.threads, 1, 1], stream=stream)
-
-    # trace-time helpers
-    def load_block(self, buf, x_a: Int64, x_b: Int64, fn_row: Int64, blk):
-        off = Int64(blk) * 64                             # 32 bf16 features
-        for row, base in ((0, x_a), (1, x_b)):
-            w = ld_nc_u32x4(base + off)
-            for e in range(4):
-                buf[4 * row + e] = w[e]
-        for j in range(self.nt):
-            for h in range(2):
-                w = ld_nc_u32x4(fn_row + Int64((h * self.np + 8 * j) * self.K * 2) + off)
-                for e in range(4):
-                    buf[8 + 8 * j + 4 * h + e] = w[e]
-
-    def compute_block(self, buf, acc, ss):
-        for s in range(2):
-            a = (buf[2 * s], buf[4 + 2 * s], buf[2 * s + 1], buf[4 + 2 * s + 1])
-            for j in range(self.nt):
-                for h in range(2):
-                    b = (buf[8 + 8 * j + 4 * h + 2 * s], buf[8 + 8 * j + 4 * h + 2 * s + 1])
-                    d = mma_bf16_16816(a, b, tuple(acc[4 * j + e] for e in range(4)))
-                    for e in range(4):
-                        acc[4 * j + e] = d[e]
-        for row in range(2):
-            v = ss[row]
-            for e in range(4):
-                v = bf16x2_square_sum(buf[4 * row + e], v)
-            ss[row] = v
-
-    @cute.kernel
-    def kernel(self, x_ptr: cute.Pointer, fn_ptr: cute.Pointer, mO: cute.Tensor, S: Int32, eps: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = cute.arch.lane_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        g, q = lane // 4, lane % 4
-        mt, part = warp % self.mtiles, warp // self.mtiles
-        tok = bidx * self.tokens_per_cta + mt * 16 + g          # this lane's rows: tok, tok + 8
-        k0 = part * (self.K // self.kparts) + 8 * q
-        x_a = x_ptr.toint() + Int64(cutlass.min(tok, S - 1) * self.K + k0) * 2
-        x_b = x_ptr.toint() + Int64(cutlass.min(tok + 8, S - 1) * self.K + k0) * 2
-        fn_row = fn_ptr.toint() + Int64(g * self.K + k0) * 2
-
-        acc = cute.make_rmem_tensor((4 * self.nt,), Float32)
-        acc.fill(0.0)
-        ss = cute.make_rmem_tensor((2,), Float32)
-        ss.fill(0.0)
-        bufA = cute.make_rmem_tensor((self.words,), Uint32)
-        bufB = cute.make_rmem_tensor((self.words,), Uint32)
-        self.load_block(bufA, x_a, x_b, fn_row, 0)
-        for b2 in cutlass.range(self.blocks // 2):
-            self.load_block(bufB, x_a, x_b, fn_row, 2 * b2 + 1)
-            self.compute_block(bufA, acc, ss)
-            self.load_block(bufA, x_a, x_b, fn_row, cutlass.min(2 * b2 + 2, self.blocks - 1))
-            self.compute_block(bufB, acc, ss)
-
-        # ---- the K parts meet in shared memory: [part, m-tile, token of the tile, mix | sum of squares]
-        width = self.np + 1
-        smem = SmemAllocator()
-        sRed = smem.allocate_tensor(Float32, cute.make_layout((width, 16, self.mtiles, self.kparts),
-                                                              stride=(1, width, 16 * width, self.mtiles * 16 * width)),
-                                    byte_alignment=16)
-        for row in cutlass.range_constexpr(2):
-            v = ss[row]
-            for off in (1, 2):                                   # the quad's 4 lanes hold a row's features
-                v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
-            if q == 0:
-                sRed[self.np, g + 8 * row, mt, part] = v
-            for j in cutlass.range_constexpr(self.nt):
-                for e in cutlass.range_constexpr(2):             # C fragment: row g (+8), columns 2q, 2q + 1
-                    sRed[8 * j + 2 * q + e, g + 8 * row, mt, part] = acc[4 * j + 2 * row + e]
-        cute.arch.barrier()
-        for i in cutlass.range_constexpr(-(-self.tokens_per_cta * self.nmix // self.threads)):
-            idx = tidx + i * self.threads
-            t = idx // self.nmix
-            n = idx % self.nmix
-            t_c = cutlass.min(t, self.tokens_per_cta - 1)
-            dot = Float32(0.0)
-            sq = Float32(0.0)
-            for p in cutlass.range_constexpr(self.kparts):
-                dot = dot + sRed[n, t_c % 16, t_c // 16, p]
-                sq = sq + sRed[self.np, t_c % 16, t_c // 16, p]
-            out_tok = bidx * self.tokens_per_cta + t
-            if idx < self.tokens_per_cta * self.nmix and out_tok < S:
-                mO[n, out_tok] = dot * cute.math.rsqrt(sq / self.K + eps)
-
-
-def bf16x2_square_sum(w: Uint32, acc: Float32) -> Float32:
-    """acc + lo^2 + hi^2 of the two bf16 values of a word, in fp32 (a bf16 is the top half of its fp32)."""
-    return cute.arch.inline_ptx(
-        "{ .reg .b32 lo, hi; shl.b32 lo, {$r0}, 16; and.b32 hi, {$r0}, 0xffff0000; "
-        "fma.rn.f32 {$w0}, lo, lo, {$r1}; fma.rn.f32 {$w0}, hi, hi, {$w0}; }",
-        write_only_types=[Float32], read_only_args=[w, acc])
 
 
 class HcPreApply:
@@ -433,11 +301,6 @@ def _build_mix(K: int, nmix: int = 24):
                             fake_stream())
 
 
-def _build_mix_mma(K: int, nmix: int = 24):
-    return HcMixMma(K, nmix), (fake_ptr(BFloat16), fake_ptr(BFloat16), fake_ptr(Float32, 4), Int32(1),
-                               Float32(1e-6), fake_stream())
-
-
 def _build_apply(D: int, M: int = 4, iters: int = 20, head: bool = False):
     return HcPreApply(D, M, iters, head), (fake_ptr(Float32, 4), fake_ptr(Float32, 4), fake_ptr(Float32, 4),
                                      fake_ptr(BFloat16), fake_ptr(BFloat16), fake_ptr(Float32, 4),
@@ -453,10 +316,6 @@ register(KernelDef("hc_mix", "mhc", BOTH, _build_mix,
                    configs=({"K": 4 * 7168, "nmix": 24}, {"K": 4 * 4096, "nmix": 24}, {"K": 4 * 7168, "nmix": 4}),
                    ci_configs=({"K": 4 * 7168, "nmix": 24},),
                    doc="mHC mixes: RMS over 4*D times the 24-column projection, fp32 (cp.async-staged fn)"))
-register(KernelDef("hc_mix_mma", "mhc", BOTH, _build_mix_mma,
-                   configs=({"K": 4 * 7168, "nmix": 24}, {"K": 4 * 4096, "nmix": 24}, {"K": 4 * 7168, "nmix": 4}),
-                   ci_configs=({"K": 4 * 7168, "nmix": 24}, {"K": 4 * 7168, "nmix": 4}),
-                   doc="mHC mixes on tensor cores: mma.sync with fn split into bf16 hi + lo, K over 8 warps"))
 register(KernelDef("hc_pre_apply", "mhc", BOTH, _build_apply,
                    configs=({"D": 7168, "M": 4, "iters": 20}, {"D": 4096, "M": 4, "iters": 20},
                             {"D": 7168, "M": 4, "iters": 0, "head": True}, {"D": 4096, "M": 4, "iters": 0, "head": True}),
@@ -469,30 +328,8 @@ register(KernelDef("hc_post", "mhc", BOTH, _build_post, configs=({"D": 7168, "M"
 # Launchers
 # --------------------------------------------------------------------------------------------------------
 
-_FN_SPLITS: dict[tuple, object] = {}     # fn's bf16 hi + lo for hc_mix_mma, by (address, version, shape, device)
-
-
-def fn_hi_lo(fn):
-    """fp32 fn [nmix, K] -> bf16 [2, NP, K]: hi = bf16(fn), lo = bf16(fn - hi), rows past nmix zero (NP = nmix
-    rounded up to 8). hi + lo keeps 16 significant bits of fn: a relative error <= 2^-17 a term. Kept for the
-    last 4 weights (a model has two fn per layer): the split is 3 small kernels per call otherwise."""
-    import torch
-    key = (fn.data_ptr(), fn._version, tuple(fn.shape), fn.device)
-    split = _FN_SPLITS.get(key)
-    if split is None:
-        nmix, K = fn.shape
-        split = torch.zeros(2, -(-nmix // 8) * 8, K, dtype=torch.bfloat16, device=fn.device)
-        split[0, :nmix] = fn
-        split[1, :nmix] = fn - split[0, :nmix].float()
-        if len(_FN_SPLITS) >= 4:
-            _FN_SPLITS.pop(next(iter(_FN_SPLITS)))
-        _FN_SPLITS[key] = split
-    return split
-
-
-def hc_mixes(x, fn, eps: float, tensor_cores: bool = False):
-    """x [S, M, D] bf16, fn [(2+M)M, M*D] -> mixes fp32 [S, (2+M)M]; tensor_cores: by hc_mix_mma (fn as bf16
-    hi + lo) instead of the fp32 SIMT hc_mix."""
+def hc_mixes(x, fn, eps: float):
+    """x [S, M, D] bf16, fn [(2+M)M, M*D] -> mixes fp32 [S, (2+M)M]."""
     import torch
     x = x.contiguous()
     S = x.size(0)
@@ -502,20 +339,19 @@ def hc_mixes(x, fn, eps: float, tensor_cores: bool = False):
     out = torch.empty(S, nmix, dtype=torch.float32, device=x.device)
     check_numel(x)
     if S:
-        name, w = ("hc_mix_mma", fn_hi_lo(fn)) if tensor_cores else ("hc_mix", fn)
-        f = compile_kernel(name, device_arch(x.device), K=K, nmix=nmix)
-        f(ptr(x), ptr(w), ptr(out, Float32, 4), Int32(S), Float32(eps), current_stream())
+        f = compile_kernel("hc_mix", device_arch(x.device), K=K, nmix=nmix)
+        f(ptr(x), ptr(fn), ptr(out, Float32, 4), Int32(S), Float32(eps), current_stream())
     return out
 
 
-def hc_pre(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, tensor_cores: bool = False):
+def hc_pre(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float):
     """x [S, M, D] bf16 streams -> (y [S, D] bf16, post [S, M] fp32, comb [S, M, M] fp32)."""
     import torch
     if x.dtype != torch.bfloat16 or x.dim() != 3:
         raise ValueError("hc_pre kernel takes x [S, M, D] bf16")
     x = x.contiguous()
     S, M, D = x.shape
-    mixes = hc_mixes(x, fn, norm_eps, tensor_cores)
+    mixes = hc_mixes(x, fn, norm_eps)
     scale = scale.to(device=x.device, dtype=torch.float32).contiguous()
     base = base.to(device=x.device, dtype=torch.float32).contiguous()
     y = torch.empty(S, D, dtype=torch.bfloat16, device=x.device)
@@ -528,14 +364,14 @@ def hc_pre(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, tenso
     return y, post, comb
 
 
-def hc_head(x, fn, scale, base, norm_eps: float, hc_eps: float, tensor_cores: bool = False):
+def hc_head(x, fn, scale, base, norm_eps: float, hc_eps: float):
     """ParallelHead.hc_head: x [S, M, D] bf16 -> [S, D] bf16 (sigmoid-weighted stream sum, no Sinkhorn)."""
     import torch
     if x.dtype != torch.bfloat16 or x.dim() != 3:
         raise ValueError("hc_head kernel takes x [S, M, D] bf16")
     x = x.contiguous()
     S, M, D = x.shape
-    mixes = hc_mixes(x, fn, norm_eps, tensor_cores)
+    mixes = hc_mixes(x, fn, norm_eps)
     scale = scale.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
     base = base.to(device=x.device, dtype=torch.float32).contiguous()
     y = torch.empty(S, D, dtype=torch.bfloat16, device=x.device)
