@@ -47,6 +47,25 @@ def test_odd_token_counts(S):
     assert (yk.float() - yr).abs().max() <= 2 ** -6 and (ck - cr).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("block_max", [6.0, 3.0])
+def test_nvfp4_codes_of_every_bf16_magnitude(block_max):
+    """Every bf16 magnitude up to the block's max, both signs, in blocks whose scale is exactly 1 (max 6) or 1/2
+    (max 3) with g = 1: |x| / bs hits every E2M1 rounding threshold and tie, and the codes must be the
+    reference's."""
+    from dsv4_kernels import nvfp4
+    mags = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    mags = mags[mags <= block_max]
+    vals = torch.cat([mags, -mags])
+    vals = torch.cat([vals, vals.new_zeros(-len(vals) % 15)]).view(-1, 15)
+    x = torch.cat([vals.new_full((len(vals), 1), block_max), vals], 1).bfloat16().cuda()
+    g = torch.ones(1, device="cuda")
+    codes, scales, _ = nvfp4.quantize(x, g)
+    rc, rs, _ = nvfp4.reference_quantize(x, g)
+    assert torch.equal(scales.view(torch.uint8), rs.view(torch.uint8))
+    assert (scales.float() == block_max / 6).all()
+    assert torch.equal(codes, rc)
+
+
 def test_nvfp4_quantise_is_bit_exact_and_writes_every_byte():
     from dsv4_kernels import nvfp4
 
