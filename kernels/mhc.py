@@ -350,8 +350,14 @@ def hc_pre(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float):
     if x.dtype != torch.bfloat16 or x.dim() != 3:
         raise ValueError("hc_pre kernel takes x [S, M, D] bf16")
     x = x.contiguous()
+    return hc_pre_apply(x, hc_mixes(x, fn, norm_eps), scale, base, iters, hc_eps)
+
+
+def hc_pre_apply(x, mixes, scale, base, iters: int, hc_eps: float):
+    """hc_pre's second kernel: x [S, M, D] bf16, mixes fp32 [S, (2+M)M] -> (y, post, comb) as hc_pre."""
+    import torch
+    x, mixes = x.contiguous(), mixes.to(torch.float32).contiguous()
     S, M, D = x.shape
-    mixes = hc_mixes(x, fn, norm_eps)
     scale = scale.to(device=x.device, dtype=torch.float32).contiguous()
     base = base.to(device=x.device, dtype=torch.float32).contiguous()
     y = torch.empty(S, D, dtype=torch.bfloat16, device=x.device)

@@ -15,7 +15,7 @@ from .attention import (
                         window_idxs,
 )
 from .linear import grouped_linear, linear, linear_fp32
-from .mhc import hc_head, hc_post, hc_pre, split_sinkhorn
+from .mhc import hc_head, hc_post, hc_pre, hc_pre_apply, split_sinkhorn
 from .moe import expert, gate, moe_combine
 from .norm import head_rms_norm, rms_norm
 from .quant import e2m1_round, fp4_sim, fp8_sim, rotate_activation
@@ -35,6 +35,7 @@ __all__ = [
                         "hc_head",
                         "hc_post",
                         "hc_pre",
+                        "hc_pre_apply",
                         "head_rms_norm",
                         "indexer_q",
                         "indexer_scores",

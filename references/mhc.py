@@ -30,8 +30,13 @@ def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            iters: int, norm_eps: float, hc_eps: float):
     """x [S, M, D] streams -> y [S, D] sublayer input, post [S, M], comb [S, M, M]."""
-    m = x.size(-2)
-    pre, post, comb = split_sinkhorn(_mixes(x, fn, norm_eps), scale, base, m, iters, hc_eps)
+    return hc_pre_apply(x, _mixes(x, fn, norm_eps), scale, base, iters, hc_eps)
+
+
+def hc_pre_apply(x: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                 iters: int, hc_eps: float):
+    """hc_pre after the projection: x [S, M, D], mixes [S, (2+M)*M] -> y [S, D], post [S, M], comb [S, M, M]."""
+    pre, post, comb = split_sinkhorn(mixes, scale, base, x.size(-2), iters, hc_eps)
     y = (pre.unsqueeze(-1) * x.to(pre.dtype)).sum(-2)                       # [S, D] in fp32
     return y.to(x.dtype), post, comb
 

@@ -43,8 +43,13 @@ def torch_kernels(monkeypatch):
         y, p, c = ref.hc_pre(x.float(), fn, scale, base, iters, neps, heps)
         return y.to(bf), p, c
 
+    def hc_pre_apply(x, mixes, scale, base, iters, heps):
+        y, p, c = ref.hc_pre_apply(x.float(), mixes, scale, base, iters, heps)
+        return y.to(bf), p, c
+
     from dsv4_references.mhc import _mixes
     monkeypatch.setattr(mhc, "hc_pre", hc_pre)
+    monkeypatch.setattr(mhc, "hc_pre_apply", hc_pre_apply)
     monkeypatch.setattr(mhc, "hc_mixes", lambda x, fn, eps: _mixes(x.float(), fn, eps))
     monkeypatch.setattr(mhc, "hc_post", lambda a, r, p, c: ref.hc_post(a.float(), r.float(), p, c).to(bf))
     monkeypatch.setattr(mhc, "hc_head", lambda x, fn, s, b, ne, he: ref.hc_head(x.float(), fn, s, b, ne, he).to(bf))
@@ -54,9 +59,9 @@ def test_check_harness_dry_run_on_cpu(torch_kernels):
     doc = check.run_checks("tiny", seq=70, do_bench=False, log=lambda s: None, device="cpu", families=MINE)
     failed = [(r["op"], r["case"], r["bar"], r["note"]) for r in doc["rows"] if not r["passed"]]
     assert not failed
-    assert len(doc["rows"]) == 22
+    assert len(doc["rows"]) == 24
     lines = check.format_rows(doc)
-    assert len(lines) >= 23
+    assert len(lines) >= 25
 
 
 def test_bars_catch_a_wrong_kernel(torch_kernels, monkeypatch):
