@@ -556,15 +556,21 @@ class Checker:
         self.add(abs_row("hc_pre", "post", _shape(S, M), post, wpost))
         self.add(abs_row("hc_pre", "comb (Sinkhorn)", _shape(S, M, M), comb, wcomb))
         from dsv4_references.mhc import _mixes
-        wm = _mixes(xs[0].float(), fn, neps)
+
+        def mixes_row(op: str, w):
+            """hc_mix on the projection w, timed on its own traffic (x, w, the mixes); -> the fp32 mixes."""
+            want = _mixes(xs[0].float(), w, neps)
+            self.add(abs_row(op, "mixes (hc_mix kernel)", _shape(S, w.size(0)), K.hc_mixes(xs[0], w, neps), want,
+                             tol=1e-4),
+                     self._bench(lambda i: K.hc_mixes(xs[i], w, neps),
+                                 {"eager": _with_compiled(lambda i: _mixes(xs[i], w, neps),
+                                                          lambda i: compiled(_mixes)(xs[i], w, neps))},
+                                 S * M * D * 2 + w.numel() * 4 + S * w.size(0) * 4))
+            return want
+
         # hc_pre's two kernels, each timed on its own traffic: the mixes (24 fp32 dot products a token over x),
         # then the Sinkhorn and the weighted sum, fed the fp32 mixes
-        mix_torch = {"eager": _with_compiled(lambda i: _mixes(xs[i], fn, neps),
-                                             lambda i: compiled(_mixes)(xs[i], fn, neps))}
-        self.add(abs_row("hc_pre", "mixes (hc_mix kernel)", _shape(S, nmix), K.hc_mixes(xs[0], fn, neps), wm,
-                         tol=1e-4),
-                 self._bench(lambda i: K.hc_mixes(xs[i], fn, neps), mix_torch,
-                             S * M * D * 2 + fn.numel() * 4 + S * nmix * 4))
+        wm = mixes_row("hc_pre", fn)
         self.add(sum_row("hc_pre", "y (hc_pre_apply kernel)", _shape(S, M, D),
                          K.hc_pre_apply(xs[0], wm, scale, base, iters, heps)[0],
                          ref.hc_pre_apply(xs[0].float(), wm, scale, base, iters, heps)[0], xa.sum(-2)),
@@ -593,12 +599,7 @@ class Checker:
                                               lambda i: compiled(ref.hc_head)(xs[i], hfn, hscale, hbase, neps,
                                                                               heps))}
         want = ref.hc_head(xs[0].float(), hfn, hscale, hbase, neps, heps)
-        self.add(abs_row("hc_head", "mixes (hc_mix kernel)", _shape(S, M), K.hc_mixes(xs[0], hfn, neps),
-                         _mixes(xs[0].float(), hfn, neps), tol=1e-4),
-                 self._bench(lambda i: K.hc_mixes(xs[i], hfn, neps),
-                             {"eager": _with_compiled(lambda i: _mixes(xs[i], hfn, neps),
-                                                      lambda i: compiled(_mixes)(xs[i], hfn, neps))},
-                             S * M * D * 2 + hfn.numel() * 4 + S * M * 4))
+        mixes_row("hc_head", hfn)
         got = K.hc_head(xs[0], hfn, hscale, hbase, neps, heps)
         self.add(sum_row("hc_head", "y", _shape(S, M, D), got, want, xa.sum(-2)),
                  self._bench(lambda i: K.hc_head(xs[i], hfn, hscale, hbase, neps, heps), head_torch,

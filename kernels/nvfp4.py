@@ -45,6 +45,8 @@ from ._common import (
 
 BLOCK = 16
 FP4_MAX, FP8_MAX = 6.0, 448.0
+# E2M1 rounding as thresholds on |x| / bs, (value, inclusive): the code is the count passed; ties go to the even code
+E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
 class Amax:
@@ -97,7 +99,7 @@ def e2m1_magnitude_code(a: Float32) -> Int32:
     by counting the 7 thresholds (14 compares and adds an element): for a >= 1, the bits rounded to one
     mantissa bit (half to even) are exponent and mantissa of the code, (e << 1 | m) - 252 (1.0 -> 2); below 1
     the grid is 0, .5, 1, so the code is 2a rounded to an integer, by the fp32 add of 1.5 * 2^23 (half to
-    even). Equal to the threshold count (tests/test_kernels_compile.py checks the arithmetic on every fp32 of
+    even). Equal to the threshold count (tests/test_kernels_reference.py checks the arithmetic on every fp32 of
     [1/8, 8), the GPU tests the kernel on every bf16 magnitude at block scales 1 and 1/2)."""
     b = f32_bits(a)
     high = cutlass.min((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22, 259) - 252
@@ -316,8 +318,7 @@ def reference_quantize(x, g=None):
     e = (xb.abs().amax(-1) / (6 * g)).to(torch.float8_e4m3fn)
     bs = e.float().unsqueeze(-1) * g
     a = (xb.abs() / torch.where(bs > 0, bs, 1.0))
-    thresholds = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-    code = sum(((a >= th) if inclusive else (a > th)).to(torch.uint8) for th, inclusive in thresholds)
+    code = sum(((a >= th) if inclusive else (a > th)).to(torch.uint8) for th, inclusive in E2M1_THRESHOLDS)
     code = code | (torch.signbit(xb).to(torch.uint8) << 3)
     code = code.flatten(-2)
     packed = code[..., 0::2] | (code[..., 1::2] << 4)

@@ -63,10 +63,26 @@ def test_kv_scale_exponent_from_bits_equals_ceil_log2_for_every_bf16_amax():
 
 
 def test_e2m1_thresholds_match_reference_rounding():
-    """The kernel's E2M1 code = number of thresholds passed; check against e2m1_round on a dense grid."""
+    """The reference quantiser's E2M1 code = number of thresholds passed; check against e2m1_round on a dense
+    grid."""
     a = torch.linspace(0, 7, 70001)
-    a = torch.cat([a, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])])
-    code = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int() + (a > 2.5).int()
-            + (a >= 3.5).int() + (a > 5.0).int())
+    a = torch.cat([a, torch.tensor([t for t, _ in nvfp4.E2M1_THRESHOLDS])])
+    code = sum(((a >= t) if inclusive else (a > t)).int() for t, inclusive in nvfp4.E2M1_THRESHOLDS)
     lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     assert torch.equal(lut[code], ref.e2m1_round(a))
+
+
+def test_e2m1_rounding_by_bits_is_the_threshold_count():
+    """nvfp4's e2m1_magnitude_code (the quantise kernel's arithmetic, restated in numpy: the kernel runs only on a
+    GPU) gives the reference's threshold count for every fp32 of [1/8, 8), where all 7 thresholds and their
+    ties lie, for larger values, +inf and NaN; breaking its half-to-even step or the 1.0 boundary fails here."""
+    import numpy as np
+    a = np.concatenate([np.arange(0x3E000000, 0x41000000, dtype=np.uint32).view(np.float32),
+                        np.float32([0.0, 1e-30, 0.1, 8.0, 255.9, 1e20, 3e38, np.inf, np.nan])])
+    b = a.view(np.int32).astype(np.int64)
+    high = np.minimum((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22, 259) - 252
+    with np.errstate(invalid="ignore"):
+        low = (a * np.float32(2) + np.float32(12582912.0)).view(np.int32).astype(np.int64) - 0x4B400000
+    code = np.where(a >= 1, high, np.where(a < 1, low, 0))
+    want = sum(((a >= t) if inclusive else (a > t)).astype(np.int64) for t, inclusive in nvfp4.E2M1_THRESHOLDS)
+    assert np.array_equal(code, want)
