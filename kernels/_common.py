@@ -288,6 +288,26 @@ def ld_cg_f32x4(addr: Int64):
                                 write_only_types=[Float32] * 4, read_only_args=[addr])
 
 
+def ld_shared_v4(addr: Int32):
+    return cute.arch.inline_ptx("ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Uint32] * 4, read_only_args=[addr])
+
+
+def ld_shared_v2(addr: Int32):
+    return cute.arch.inline_ptx("ld.shared.v2.u32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32] * 2,
+                                read_only_args=[addr])
+
+
+def cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32):
+    """16 bytes global -> shared, bypassing L1; the bytes past src_bytes (all 16 for 0) are written as zero."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
+                         read_only_args=[smem_addr, gmem_addr, src_bytes])
+
+
+def st_global_v4(addr: Int64, vals: list):
+    cute.arch.inline_ptx("st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[addr, *vals])
+
+
 def mma_bf16_16816(a: tuple, b: tuple, c: tuple):
     """D = A B + C, one m16n8k16 bf16 MMA with fp32 accumulators (4 A, 2 B, 4 C registers a lane)."""
     return cute.arch.inline_ptx(

@@ -44,15 +44,19 @@ from cutlass.experimental import primitives as prims
 from ._common import (
     BOTH,
     KernelDef,
+    cp_async_16,
     fake_ptr,
     fake_stream,
     fmax_nan,
     fmin_nan,
     last_split_part,
     ld_cg_f32x4,
+    ld_shared_v2,
+    ld_shared_v4,
     mma_bf16_16816,
     register,
     scratch,
+    st_global_v4,
 )
 from ._tma_gemm import leave_cluster, load, multicast_op, shared_tile_partition, tma_pipeline
 
@@ -366,26 +370,6 @@ class W4A16Gemm:
 # --------------------------------------------------------------------------------------------------------
 # Decode (M <= 16): warp-level MMAs, every weight load of a warp in flight at once
 # --------------------------------------------------------------------------------------------------------
-
-def ld_shared_v4(addr: Int32):
-    return cute.arch.inline_ptx("ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Uint32] * 4, read_only_args=[addr])
-
-
-def ld_shared_v2(addr: Int32):
-    return cute.arch.inline_ptx("ld.shared.v2.u32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32] * 2,
-                                read_only_args=[addr])
-
-
-def cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32):
-    """16 bytes global -> shared, bypassing L1; the bytes past src_bytes (all 16 for 0) are written as zero."""
-    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
-                         read_only_args=[smem_addr, gmem_addr, src_bytes])
-
-
-def st_global_v4(addr: Int64, vals: list):
-    cute.arch.inline_ptx("st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[addr, *vals])
-
 
 def ldmatrix(smem_addr: Int32, count: int):
     """`count` (2 or 4) 8x8 bf16 matrices from shared memory, lane i addressing row i % 8 of matrix i / 8."""

@@ -1,11 +1,12 @@
 """mHC (manifold-constrained hyper-connections): Block.hc_pre and hc_post (dsv4_references.mhc).
 
 hc_pre is two kernels:
-- `hc_mix`: mixes[s, n] = (x_s . fn_n) * rsqrt(mean(x_s^2) + eps) over all M*D features of the M streams,
-  fp32 accumulation (the reference's F.linear in fp32). A skinny product (N = (2+M)*M = 24 columns): each warp
-  owns 4 tokens and walks K in chunks of 256 features; the fn chunk [24, 256] (fp32) is staged in shared memory
-  by cp.async, two stages deep, and shared by the 8 warps (32 tokens) of the CTA; the next x chunk is
-  prefetched into registers while the current one is multiplied. SIMT FMAs, no tensor cores: fn stays fp32.
+- `hc_mix`: mixes[s, n] = (x_s . fn_n) * rsqrt(mean(x_s^2) + eps) over all M*D features of the M streams
+  (the reference's F.linear in fp32). A skinny GEMM (N = (2+M)*M = 24 columns) on tensor cores: fn is split
+  into bf16 hi + lo (fn = hi + lo to ~2^-17 relative), so that mma.sync m16n8k16 on bf16 x gives fp32
+  products of the fp32 weights. A CTA owns 128 tokens and one of `parts` K ranges; x and fn are staged in
+  64-feature chunks by cp.async, STAGES deep (~96 KB in flight an SM), fn shared by the CTA's 4 warps of 32
+  tokens. The K parts are summed in part order by the warp that completes a 32-token tile (split-K ticket).
 - `hc_pre_apply`: per token, sigmoid pre/post, softmax + Sinkhorn on the M x M comb (16 lanes per token, one
   per comb entry, row/column sums by butterfly shuffles, `iters` normalisation rounds, all in registers), then
   the weighted stream sum y = sum_m pre_m x_m (fp32, one bf16 rounding), 16 tokens per CTA.
@@ -14,7 +15,7 @@ hc_post is one kernel: out[s, k] = post[s, k] * a[s] + sum_j comb[s, j, k] * res
 from __future__ import annotations
 
 import cutlass
-from cutlass import BFloat16, Float32, Int32, const_expr, cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr, cute
 from cutlass.memory import SmemAllocator
 
 from ._common import (
@@ -22,126 +23,235 @@ from ._common import (
     KernelDef,
     check_numel,
     compile_kernel,
+    cp_async_16,
     current_stream,
     device_arch,
     fake_ptr,
     fake_stream,
-    group_sum,
+    last_split_part,
+    ld_cg_f32x4,
+    ld_shared_v4,
+    mma_bf16_16816,
     ptr,
     register,
+    scratch,
+    sm_count,
+    st_global_v4,
 )
 
-CHUNK = 256        # features per warp pass in hc_mix: lane holds [h*128 + 4*lane, +4) for h = 0, 1
+CHUNK = 64              # features of one hc_mix pipeline stage: two 32-feature blocks
+STAGES = 4
+FN_ROW = CHUNK + 4      # fp32 shared row of fn, padded 16 bytes: rows g and g + 1 fall on different banks
+MIX_WARPS = 4
+MIX_MTILES = 2          # 16-token MMA tiles a warp
+MIX_TOKENS = 16 * MIX_MTILES * MIX_WARPS
+MAX_PARTS = 32
+
+
+def mix_lane_values(nmix: int) -> int:
+    """fp32 partials of one hc_mix lane: C fragments of its tiles and column tiles, 2 sums of squares a tile,
+    padded to whole 16-byte stores."""
+    return -(-(MIX_MTILES * (4 * -(-nmix // 8) + 2)) // 4) * 4
+
+
+def mix_parts(S: int, K: int, sms: int) -> int:
+    """K parts of hc_mix: halve the parts' K range until the grid fills two CTAs an SM (shared memory allows
+    two), at most MAX_PARTS."""
+    ctas, nchunks, parts = -(-S // MIX_TOKENS), K // CHUNK, 1
+    while 2 * parts <= MAX_PARTS and nchunks % (2 * parts) == 0 and ctas * 2 * parts <= 2 * sms:
+        parts *= 2
+    return parts
+
+
+def split_bf16x2(f0: Uint32, f1: Uint32):
+    """Two fp32 (as bits) -> (hi, lo) bf16x2 words with f = hi + lo to 16 significant bits: hi = bf16(f),
+    lo = bf16(f - hi) (the difference is exact). The lower half holds f0's, as MMA fragments want."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 h, t0, t1; cvt.rn.bf16x2.f32 h, {$r1}, {$r0}; shl.b32 t0, h, 16; "
+        "and.b32 t1, h, 0xffff0000; sub.f32 t0, {$r0}, t0; sub.f32 t1, {$r1}, t1; mov.b32 {$w0}, h; "
+        "cvt.rn.bf16x2.f32 {$w1}, t1, t0; }",
+        write_only_types=[Uint32, Uint32], read_only_args=[f0, f1])
+
+
+def bf16x2_square_sum(w: Uint32, acc: Float32) -> Float32:
+    """acc + lo^2 + hi^2 of the two bf16 values of a word, in fp32 (a bf16 is the top half of its fp32)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 lo, hi; shl.b32 lo, {$r0}, 16; and.b32 hi, {$r0}, 0xffff0000; "
+        "fma.rn.f32 {$w0}, lo, lo, {$r1}; fma.rn.f32 {$w0}, hi, hi, {$w0}; }",
+        write_only_types=[Float32], read_only_args=[w, acc])
 
 
 class HcMix:
-    """x bf16 [S, K], fn fp32 [nmix, K] -> mixes fp32 [S, nmix]."""
+    """x bf16 [S, K], fn fp32 [nmix, K] -> mixes fp32 [S, nmix]; K split in `parts` (workspace + tickets).
 
-    def __init__(self, K: int, nmix: int = 24, tpw: int = 4, warps: int = 8):
-        if K % (2 * CHUNK):
-            raise ValueError(f"hc_mix: K={K} must be a multiple of {2 * CHUNK}")
-        if (nmix * CHUNK // 4) % (warps * 32):
-            raise ValueError(f"hc_mix: nmix={nmix} does not split over {warps * 32} threads")
-        self.K, self.nmix, self.tpw, self.warps = K, nmix, tpw, warps
-        self.nchunks = K // CHUNK
-        self.threads = warps * 32
-        self.tokens_per_cta = warps * tpw
-        self.fn_vecs = nmix * CHUNK // 4 // self.threads        # 16-byte cp.async per thread per chunk
+    Grid (ceil(S / 128), parts). Warp w of a CTA owns tokens 32w..32w+31 (two MMA tiles) and walks its CTA's
+    K range with the others, chunk by chunk through shared memory. Within a 32-feature block the features are
+    permuted the same way for x and fn, so that a lane reads 16 contiguous bytes of each row it needs: lane
+    (g, q) takes features 8q..8q+7 of x rows g and g + 8 and of fn rows g (+8 a column tile); k-step s (two a
+    block) uses features 8q+4s+{0,1} as the fragment's columns 2q, 2q+1 and 8q+4s+{2,3} as 2q+8, 2q+9. x rows
+    are stored with their 16-byte pieces XOR-swizzled by row parity, so the 8 lanes of a shared-memory phase
+    (rows g, g + 1, pieces q) hit distinct banks. Sums of squares come from the same x words.
+    """
+
+    def __init__(self, K: int, nmix: int = 24, parts: int = 1):
+        nchunks = K // CHUNK
+        if K % CHUNK or nchunks % parts:
+            raise ValueError(f"hc_mix: K={K} must be a multiple of {CHUNK} chunks split into {parts} parts")
+        if not 1 <= parts <= MAX_PARTS:
+            raise ValueError(f"hc_mix: parts must be in [1, {MAX_PARTS}]")
+        self.K, self.nmix, self.parts = K, nmix, parts
+        self.nt = -(-nmix // 8)                           # 8-column MMA tiles
+        self.cpp = nchunks // parts                       # chunks of one part
+        self.threads = 32 * MIX_WARPS
+        self.nv = mix_lane_values(nmix)
 
     @cute.jit
-    def __call__(self, x_ptr: cute.Pointer, fn_ptr: cute.Pointer, o_ptr: cute.Pointer, S: Int32, eps: Float32,
-                 stream):
-        mX = cute.make_tensor(x_ptr, cute.make_layout((4, 32, 2, self.nchunks, S),
-                                                      stride=(1, 4, 128, CHUNK, self.K)))
-        # fn chunk c as 16-byte vectors: (4 floats, 64 vectors a row, nmix rows, chunk)
-        mFn = cute.make_tensor(fn_ptr, cute.make_layout((4, CHUNK // 4, self.nmix, self.nchunks),
-                                                        stride=(1, 4, self.K, CHUNK)))
-        mO = cute.make_tensor(o_ptr, cute.make_layout((self.nmix, S), stride=(1, self.nmix)))
-        self.kernel(mX, mFn, mO, S, eps).launch(
-            grid=[cute.ceil_div(S, self.tokens_per_cta), 1, 1], block=[self.threads, 1, 1], stream=stream)
+    def __call__(self, x_ptr: cute.Pointer, fn_ptr: cute.Pointer, o_ptr: cute.Pointer, ws_ptr: cute.Pointer,
+                 ticket_ptr: cute.Pointer, S: Int32, eps: Float32, stream):
+        mO = cute.make_tensor(o_ptr, cute.make_layout((S, self.nmix), stride=(self.nmix, 1)))
 
-    # trace-time helpers (plain Python loops unroll while tracing)
-    def load_fn(self, atom, mFn, sFn, tidx, c, stage):
-        for i in range(self.fn_vecs):
-            v = tidx + i * self.threads
-            cute.copy(atom, mFn[None, v % (CHUNK // 4), v // (CHUNK // 4), c],
-                      sFn[None, v % (CHUNK // 4), v // (CHUNK // 4), stage])
-        cute.arch.cp_async_commit_group()
+        @cute.struct
+        class Storage:
+            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES * MIX_TOKENS * CHUNK], 128]
+            sF: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * self.nmix * FN_ROW], 128]
 
-    def load_x(self, mX, r, lane, tok0, S, c):
-        for tk in range(self.tpw):
-            tok = cutlass.min(tok0 + tk, S - 1)
-            for h in range(2):
-                cute.autovec_copy(mX[None, lane, h, c, tok], r[None, h, tk])
+        self.storage = Storage
+        self.kernel(x_ptr, fn_ptr, mO, ws_ptr, ticket_ptr, S, eps).launch(
+            grid=[cute.ceil_div(S, MIX_TOKENS), self.parts, 1], block=[self.threads, 1, 1], stream=stream)
 
-    def compute(self, sW, r, acc, ss, lane, stage):
-        rx = cute.make_rmem_tensor((4, 2, self.tpw), Float32)
-        rx.store(r.load().to(Float32))
-        for tk in range(self.tpw):
-            s = ss[tk]
-            for h in range(2):
-                for e in range(4):
-                    s += rx[e, h, tk] * rx[e, h, tk]
-            ss[tk] = s
-        rW = cute.make_rmem_tensor((4,), Float32)
-        for n in range(self.nmix):
-            for h in range(2):
-                cute.autovec_copy(sW[None, lane, h, n, stage], rW)
-                for tk in range(self.tpw):
-                    a = acc[tk, n]
+    @cute.jit
+    def load_stage(self, x_ptr: cute.Pointer, fn_ptr: cute.Pointer, sx: Int32, sf: Int32, tidx: Int32, S: Int32,
+                   tok0: Int32, c: Int32, stage: Int32):
+        """Chunk c (features 64c..64c+63) of the CTA's 128 x rows and of fn's rows -> shared stage."""
+        for i in cutlass.range_constexpr(MIX_TOKENS * 8 // self.threads):
+            piece = tidx + i * self.threads                # 8 pieces of 16 bytes a row
+            r = piece // 8
+            v = piece % 8
+            src = x_ptr.toint() + Int64(cutlass.min(tok0 + r, S - 1) * self.K + c * CHUNK + v * 8) * 2
+            cp_async_16(sx + ((stage * MIX_TOKENS + r) * CHUNK + 8 * (v ^ ((r % 2) * 4))) * 2, src, Int32(16))
+        pieces = self.nmix * CHUNK // 4
+        for i in cutlass.range_constexpr(-(-pieces // self.threads)):
+            piece = tidx + i * self.threads
+            n = piece // (CHUNK // 4)
+            v = piece % (CHUNK // 4)
+            if piece < pieces:
+                src = fn_ptr.toint() + Int64(n * self.K + c * CHUNK + v * 4) * 4
+                cp_async_16(sf + ((stage * self.nmix + n) * FN_ROW + v * 4) * 4, src, Int32(16))
+
+    # trace-time helper (plain Python loops unroll while tracing)
+    def compute_stage(self, sx, sf, stage, warp, g, q, acc, ss):
+        """The stage's 8 MMAs a C fragment go to a fresh accumulator, added to acc in IEEE fp32: the tensor
+        core's own accumulation truncates (on the H200 a whole-K accumulator drifted to 3.8e-5 on the Pro
+        mixes, 4x the error of the bf16 hi + lo split of fn)."""
+        part = [None] * (MIX_MTILES * self.nt * 4)
+        for b in range(2):
+            xw = []                                        # [tile][row g, g + 8]: 4 words = 8 features
+            for t in range(MIX_MTILES):
+                rows = []
+                for h in range(2):
+                    r = warp * 16 * MIX_MTILES + 16 * t + 8 * h + g
+                    piece = (4 * b + q) ^ ((g % 2) * 4)           # rows r and g share parity
+                    rows.append(ld_shared_v4(sx + ((stage * MIX_TOKENS + r) * CHUNK + 8 * piece) * 2))
+                xw.append(rows)
+            hi, lo = [], []                                # [column tile]: 4 words each
+            for j in range(self.nt):
+                n = 8 * j + g if const_expr(8 * j + 8 <= self.nmix) else cutlass.min(8 * j + g, self.nmix - 1)
+                base = sf + ((stage * self.nmix + n) * FN_ROW + 32 * b + 8 * q) * 4
+                f = list(ld_shared_v4(base)) + list(ld_shared_v4(base + 16))
+                pairs = [split_bf16x2(f[2 * p], f[2 * p + 1]) for p in range(4)]
+                hi.append([w[0] for w in pairs])
+                lo.append([w[1] for w in pairs])
+            for s in range(2):
+                for t in range(MIX_MTILES):
+                    a = (xw[t][0][2 * s], xw[t][1][2 * s], xw[t][0][2 * s + 1], xw[t][1][2 * s + 1])
+                    for j in range(self.nt):
+                        i0 = (t * self.nt + j) * 4
+                        c = tuple(part[i0 + e] for e in range(4)) if b + s else (Float32(0.0),) * 4
+                        c = mma_bf16_16816(a, (hi[j][2 * s], hi[j][2 * s + 1]), c)
+                        c = mma_bf16_16816(a, (lo[j][2 * s], lo[j][2 * s + 1]), c)
+                        part[i0:i0 + 4] = c
+            for t in range(MIX_MTILES):
+                for h in range(2):
+                    v = ss[2 * t + h]
                     for e in range(4):
-                        a += rx[e, h, tk] * rW[e]
-                    acc[tk, n] = a
+                        v = bf16x2_square_sum(xw[t][h][e], v)
+                    ss[2 * t + h] = v
+        for i in range(len(part)):
+            acc[i] = acc[i] + part[i]
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mFn: cute.Tensor, mO: cute.Tensor, S: Int32, eps: Float32):
+    def kernel(self, x_ptr: cute.Pointer, fn_ptr: cute.Pointer, mO: cute.Tensor, ws_ptr: cute.Pointer,
+               ticket_ptr: cute.Pointer, S: Int32, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
+        bx, part, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        warp = cute.arch.warp_idx()
-        smem = SmemAllocator()
-        sFn = smem.allocate_tensor(Float32, cute.make_layout((4, CHUNK // 4, self.nmix, 2),
-                                                             stride=(1, 4, CHUNK, self.nmix * CHUNK)),
-                                   byte_alignment=16)
-        # the same buffer seen by the compute warps: (4 floats, lane, half, n, stage)
-        sW = cute.make_tensor(sFn.iterator, cute.make_layout((4, 32, 2, self.nmix, 2),
-                                                             stride=(1, 4, 128, CHUNK, self.nmix * CHUNK)))
-        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
+        g = lane // 4
+        q = lane % 4
+        st = SmemAllocator().allocate(self.storage)
+        sx = st.sX.data_ptr().toint()
+        sf = st.sF.data_ptr().toint()
+        tok0 = bx * MIX_TOKENS
+        c0 = part * self.cpp
 
-        tok0 = bidx * self.tokens_per_cta + warp * self.tpw
-        acc = cute.make_rmem_tensor((self.tpw, self.nmix), Float32)
+        acc = cute.make_rmem_tensor((MIX_MTILES * self.nt * 4,), Float32)
         acc.fill(0.0)
-        ss = cute.make_rmem_tensor((self.tpw,), Float32)
+        ss = cute.make_rmem_tensor((MIX_MTILES * 2,), Float32)
         ss.fill(0.0)
-        rA = cute.make_rmem_tensor((4, 2, self.tpw), BFloat16)
-        rB = cute.make_rmem_tensor((4, 2, self.tpw), BFloat16)
-
-        self.load_fn(atom, mFn, sFn, tidx, 0, 0)
-        self.load_x(mX, rA, lane, tok0, S, 0)
-        for c2 in cutlass.range(self.nchunks // 2):
-            c = 2 * c2
-            self.load_fn(atom, mFn, sFn, tidx, c + 1, 1)
-            self.load_x(mX, rB, lane, tok0, S, c + 1)
-            cute.arch.cp_async_wait_group(1)
-            cute.arch.barrier()
-            self.compute(sW, rA, acc, ss, lane, 0)
-            cute.arch.barrier()
-            cn = cutlass.min(c + 2, self.nchunks - 1)
-            self.load_fn(atom, mFn, sFn, tidx, cn, 0)
-            self.load_x(mX, rA, lane, tok0, S, cn)
-            cute.arch.cp_async_wait_group(1)
-            cute.arch.barrier()
-            self.compute(sW, rB, acc, ss, lane, 1)
-            cute.arch.barrier()
+        for i in cutlass.range_constexpr(STAGES - 1):
+            if const_expr(i < self.cpp):
+                self.load_stage(x_ptr, fn_ptr, sx, sf, tidx, S, tok0, c0 + i, i)
+            cute.arch.cp_async_commit_group()
+        for c in cutlass.range(self.cpp):
+            cute.arch.cp_async_wait_group(STAGES - 2)      # chunk c has landed (this thread's pieces)
+            cute.arch.barrier()                            # ... everyone's; and stage (c - 1) % STAGES is free
+            if c + STAGES - 1 < self.cpp:
+                nxt = c + STAGES - 1
+                self.load_stage(x_ptr, fn_ptr, sx, sf, tidx, S, tok0, c0 + nxt, nxt % STAGES)
+            cute.arch.cp_async_commit_group()
+            self.compute_stage(sx, sf, c % STAGES, warp, g, q, acc, ss)
         cute.arch.cp_async_wait_group(0)
 
-        for tk in cutlass.range_constexpr(self.tpw):
-            tok = tok0 + tk
-            rstd = cute.math.rsqrt(group_sum(ss[tk], 32) / self.K + eps)
-            for n in cutlass.range_constexpr(self.nmix):
-                v = group_sum(acc[tk, n], 32)
-                if lane == n % 32 and tok < S:
-                    mO[n, tok] = v * rstd
+        # ---- K parts: summed in part order by the warp that completes the 32-token tile
+        vals = cute.make_rmem_tensor((self.nv,), Float32)
+        vals.fill(0.0)
+        for i in cutlass.range_constexpr(MIX_MTILES * self.nt * 4):
+            vals[i] = acc[i]
+        for i in cutlass.range_constexpr(MIX_MTILES * 2):
+            vals[MIX_MTILES * self.nt * 4 + i] = ss[i]
+        tile = bx * MIX_WARPS + warp
+        if const_expr(self.parts == 1):
+            self.store(vals, mO, tile, g, q, S, eps)
+        else:
+            frag = ws_ptr.toint() + Int64((tile * self.parts + part) * 32 + lane) * (self.nv * 4)
+            for i in cutlass.range_constexpr(self.nv // 4):
+                st_global_v4(frag + 16 * i, [vals[4 * i + e] for e in range(4)])
+            if last_split_part(ticket_ptr + tile, self.parts, lane):
+                vals.fill(0.0)
+                first = ws_ptr.toint() + Int64(tile * self.parts * 32 + lane) * (self.nv * 4)
+                for p in cutlass.range_constexpr(self.parts):
+                    for i in cutlass.range_constexpr(self.nv // 4):
+                        got = ld_cg_f32x4(first + p * 32 * self.nv * 4 + 16 * i)
+                        for e in cutlass.range_constexpr(4):
+                            vals[4 * i + e] = vals[4 * i + e] + got[e]
+                self.store(vals, mO, tile, g, q, S, eps)
+
+    @cute.jit
+    def store(self, vals: cute.Tensor, mO: cute.Tensor, tile: Int32, g: Int32, q: Int32, S: Int32, eps: Float32):
+        """C fragment value 4j + 2h + e of tile t: token 16t + 8h + g, column 8j + 2q + e; times rsqrt(mean x^2
+        + eps), the quad's 4 lanes holding a row's sum of squares in parts."""
+        for t in cutlass.range_constexpr(MIX_MTILES):
+            for h in cutlass.range_constexpr(2):
+                sq = vals[MIX_MTILES * self.nt * 4 + 2 * t + h]
+                for off in (1, 2):
+                    sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=off)
+                rstd = cute.math.rsqrt(sq / self.K + eps)
+                tok = tile * 16 * MIX_MTILES + 16 * t + 8 * h + g
+                for j in cutlass.range_constexpr(self.nt):
+                    for e in cutlass.range_constexpr(2):
+                        col = 8 * j + 2 * q + e
+                        if tok < S and col < self.nmix:          # columns past nmix: fn rows clamped
+                            mO[tok, col] = vals[(t * self.nt + j) * 4 + 2 * h + e] * rstd
 
 
 class HcPreApply:
@@ -296,9 +406,9 @@ class HcPost:
                 cute.autovec_copy(rO, mO[None, v, k, tok])
 
 
-def _build_mix(K: int, nmix: int = 24):
-    return HcMix(K, nmix), (fake_ptr(BFloat16), fake_ptr(Float32), fake_ptr(Float32, 4), Int32(1), Float32(1e-6),
-                            fake_stream())
+def _build_mix(K: int, nmix: int = 24, parts: int = 1):
+    return HcMix(K, nmix, parts), (fake_ptr(BFloat16), fake_ptr(Float32), fake_ptr(Float32, 4), fake_ptr(Float32),
+                                   fake_ptr(Int32, 4), Int32(1), Float32(1e-6), fake_stream())
 
 
 def _build_apply(D: int, M: int = 4, iters: int = 20, head: bool = False):
@@ -313,9 +423,10 @@ def _build_post(D: int, M: int = 4):
 
 
 register(KernelDef("hc_mix", "mhc", BOTH, _build_mix,
-                   configs=({"K": 4 * 7168, "nmix": 24}, {"K": 4 * 4096, "nmix": 24}, {"K": 4 * 7168, "nmix": 4}),
-                   ci_configs=({"K": 4 * 7168, "nmix": 24},),
-                   doc="mHC mixes: RMS over 4*D times the 24-column projection, fp32 (cp.async-staged fn)"))
+                   configs=({"K": 4 * 7168, "nmix": 24, "parts": 8}, {"K": 4 * 4096, "nmix": 24, "parts": 8},
+                            {"K": 4 * 7168, "nmix": 4, "parts": 8}, {"K": 4 * 7168, "nmix": 24, "parts": 32}),
+                   ci_configs=({"K": 4 * 7168, "nmix": 24, "parts": 8}, {"K": 4 * 7168, "nmix": 4, "parts": 1}),
+                   doc="mHC mixes: RMS over 4*D times the 24-column projection (mma.sync, fn as bf16 hi + lo)"))
 register(KernelDef("hc_pre_apply", "mhc", BOTH, _build_apply,
                    configs=({"D": 7168, "M": 4, "iters": 20}, {"D": 4096, "M": 4, "iters": 20},
                             {"D": 7168, "M": 4, "iters": 0, "head": True}, {"D": 4096, "M": 4, "iters": 0, "head": True}),
@@ -328,8 +439,8 @@ register(KernelDef("hc_post", "mhc", BOTH, _build_post, configs=({"D": 7168, "M"
 # Launchers
 # --------------------------------------------------------------------------------------------------------
 
-def hc_mixes(x, fn, eps: float):
-    """x [S, M, D] bf16, fn [(2+M)M, M*D] -> mixes fp32 [S, (2+M)M]."""
+def hc_mixes(x, fn, eps: float, parts: int | None = None):
+    """x [S, M, D] bf16, fn [(2+M)M, M*D] -> mixes fp32 [S, (2+M)M]; K in `parts` (default: mix_parts)."""
     import torch
     x = x.contiguous()
     S = x.size(0)
@@ -339,8 +450,13 @@ def hc_mixes(x, fn, eps: float):
     out = torch.empty(S, nmix, dtype=torch.float32, device=x.device)
     check_numel(x)
     if S:
-        f = compile_kernel("hc_mix", device_arch(x.device), K=K, nmix=nmix)
-        f(ptr(x), ptr(fn), ptr(out, Float32, 4), Int32(S), Float32(eps), current_stream())
+        parts = parts or mix_parts(S, K, sm_count(x.device))
+        f = compile_kernel("hc_mix", device_arch(x.device), K=K, nmix=nmix, parts=parts)
+        tiles = -(-S // MIX_TOKENS) * MIX_WARPS
+        ws = scratch("hc_mix_partials", x.device, tiles * parts * 32 * mix_lane_values(nmix), torch.float32)
+        tickets = scratch("hc_mix_tickets", x.device, tiles, torch.int32)
+        f(ptr(x), ptr(fn), ptr(out, Float32, 4), ptr(ws, Float32), ptr(tickets, Int32, align=4), Int32(S),
+          Float32(eps), current_stream())
     return out
 
 

@@ -119,14 +119,14 @@ def test_site_stats_table_covers_every_tensor_once():
 
 
 def test_resources_read_from_the_cubin():
-    """--resources: registers, local memory and threads come from the cubin ptxas wrote. hc_mix runs 256 threads
-    (.reqntid) holding 4 tokens x 24 fp32 accumulators each, so it needs more than 96 registers, at most 255, and
-    was written to keep them unspilled."""
+    """--resources: registers, local memory and threads come from the cubin ptxas wrote. hc_mix runs 128 threads
+    (.reqntid), each holding 24 fp32 accumulators and a chunk's x words and fn hi + lo fragments, so it needs
+    more than 96 registers, at most 255, and was written to keep them unspilled."""
     from dsv4_kernels.compile import compile_in_child
-    row = compile_in_child("hc_mix", {"K": 4 * 7168, "nmix": 24}, "sm_90a", resources=True)
+    row = compile_in_child("hc_mix", {"K": 4 * 7168, "nmix": 24, "parts": 8}, "sm_90a", resources=True)
     assert row["ok"], row["error"]
-    assert row["threads"] == 256 and 96 < row["registers"] <= 255 and row["local_bytes"] == 0
-    assert row["ctas_per_sm_by_registers"] == 65536 // (-(-row["registers"] // 8) * 8 * 256)
+    assert row["threads"] == 128 and 96 < row["registers"] <= 255 and row["local_bytes"] == 0
+    assert row["ctas_per_sm_by_registers"] == 65536 // (-(-row["registers"] // 8) * 8 * 128)
 
 
 def test_resources_see_local_memory(tmp_path):
