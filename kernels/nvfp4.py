@@ -9,10 +9,10 @@ Format (as dsv4debug.backends.sim.nvfp4_act_quant computes the values):
 Dequantised value = (+-E2M1) * bs in fp32, rounded to bf16.
 
 Hopper has no FP4 conversion instructions (and CuTeDSL's Float4E2M1FN conversions fail on sm_90a), so codes
-are computed with integer code: the reference counts the 7 rounding thresholds the magnitude passes
+are computed arithmetically: the reference counts the 7 rounding thresholds the magnitude passes
 (> .25, >= .75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5: strict where the tie goes down to the even code); the
-kernel rounds the magnitude's fp32 bits to the E2M1 grid instead (`e2m1_magnitude_code`: the same codes by
-~8 ops instead of 14 compares and adds), and decodes by building the fp32 bit pattern. The same code serves sm_100a.
+kernel rounds the quotient to the E2M1 grid on the FMA pipe instead (`e2m1_code`), from one reciprocal a
+block (`quotient_rn`), and decodes by building the fp32 bit pattern. The same code serves sm_100a.
 
 Kernels: `nvfp4_amax` (grid-stride abs-max by integer max over bf16 magnitude bits, one atomic per CTA),
 `nvfp4_quant` and `nvfp4_dequant` (one thread per 16-element block). The global scale itself,
@@ -44,6 +44,8 @@ from ._common import (
 )
 
 BLOCK = 16
+QUANT_CTAS_PER_SM = 4           # nvfp4_quant's grid an SM: the CTAs its registers let reside (test_kernels_compile)
+QUOTIENT_DEN_RANGE = (2.0 ** -60, 2.0 ** 60)   # block scales outside it: IEEE divisions (quotient_rn's range)
 FP4_MAX, FP8_MAX = 6.0, 448.0
 # E2M1 rounding as thresholds on |x| / bs, (value, inclusive): the code is the count passed; ties go to the even code
 E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
@@ -94,74 +96,114 @@ class Amax:
             cute.arch.atomic_max(mA.iterator, m << 16)           # bf16 magnitude bits -> fp32 bits
 
 
-def e2m1_magnitude_code(a: Float32) -> Int32:
-    """The E2M1 code (0..7) of a >= 0, round half to even, saturating at 6; 0 for NaN. From a's fp32 bits, not
-    by counting the 7 thresholds (14 compares and adds an element): for a >= 1, the bits rounded to one
-    mantissa bit (half to even) are exponent and mantissa of the code, (e << 1 | m) - 252 (1.0 -> 2); below 1
-    the grid is 0, .5, 1, so the code is 2a rounded to an integer, by the fp32 add of 1.5 * 2^23 (half to
-    even). Equal to the threshold count (tests/test_kernels_reference.py checks the arithmetic on every fp32 of
-    [1/8, 8), the GPU tests the kernel on every bf16 magnitude at block scales 1 and 1/2)."""
-    b = f32_bits(a)
-    high = cutlass.min((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22, 259) - 252
-    low = f32_bits(a * Float32(2.0) + Float32(12582912.0)) - 0x4B400000
-    return cutlass.select_(a >= Float32(1.0), high, cutlass.select_(a < Float32(1.0), low, Int32(0)))
+E2M1_SPLIT = 2.0 ** 22 + 1     # Veltkamp's constant that rounds an fp32 to 24 - 22 = 2 significant bits
+ROUND_MAGIC = 1.5 * 2 ** 23    # adding it rounds |v| < 2^22 to an integer (half to even) in the low bits
+
+
+def e2m1_code(q: Float32) -> Int32:
+    """The E2M1 magnitude code (0..7) of |q|, round half to even, saturating at 6; NaN saturates too (an
+    overflowed quotient: callers make the NaN quotients that must encode as 0 zero first). All on the FMA pipe
+    but for 3 min/max and 2 integer ops (the kernel was bound by its integer pipe): c = min(|q|, 6); from 1 up
+    E2M1 has 2 significant bits, so h = max(c, 1) rounded to 2 bits by Veltkamp's split (g = h (2^22 + 1),
+    h' = g - (g - h), ties to even) has exponent and mantissa bit equal to the code + 252 (1.0 -> 2), and
+    below 1 the grid is 0, .5, 1: 2 min(c, 1) rounded to an integer by ROUND_MAGIC. Each part is constant (2)
+    on the other side of 1, so code = (bits(h') >> 22) - 254 + bits(l) - bits(ROUND_MAGIC). Equal to the
+    reference's threshold count on every fp32 of [0, 8] and +inf (tests/test_kernels_reference.py)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .f32 c, h, g, d, l; .reg .b32 hb, lb; abs.f32 c, {$r0}; min.f32 c, c, 0f40C00000; "
+        "max.f32 h, c, 0f3F800000; mul.rn.f32 g, h, 0f4A800002; sub.rn.f32 d, g, h; sub.rn.f32 h, g, d; "
+        "min.f32 l, c, 0f3F800000; fma.rn.f32 l, l, 0f40000000, 0f4B400000; mov.b32 hb, h; mov.b32 lb, l; "
+        "shr.u32 hb, hb, 22; add.s32 hb, hb, lb; sub.s32 {$w0}, hb, 1262485758; }",
+        write_only_types=[Int32], read_only_args=[q])
+
+
+def quotient_rn(a: Float32, den: Float32, rcp: Float32) -> Float32:
+    """a / den rounded to nearest even as the IEEE division, from rcp = RN(1 / den) (one division a block
+    instead of 16): q = a * rcp is within an ulp or so, and one refinement by the exact FMA residual
+    r = a - q den gives RN(q + r rcp) = RN(a / den) (Markstein). NaN where q overflows (r = inf - inf): the
+    codes saturate there, as e2m1_code does for NaN. For den in QUOTIENT_DEN_RANGE: rcp is normal, and the
+    residual is exact wherever a / den is near a code threshold."""
+    return cute.arch.inline_ptx(
+        "{ .reg .f32 q, r, t; mul.rn.f32 q, {$r0}, {$r2}; neg.f32 t, q; fma.rn.f32 r, t, {$r1}, {$r0}; "
+        "fma.rn.f32 {$w0}, r, {$r2}, q; }",
+        write_only_types=[Float32], read_only_args=[a, den, rcp])
 
 
 class Quant:
-    """x bf16 [nblk * 16], g fp32 [1] -> codes uint32 [nblk * 2] (8 bytes a block), scales e4m3 [nblk]."""
+    """x bf16 [nblk * 16], g fp32 [1] -> codes uint32 [nblk * 2] (8 bytes a block), scales e4m3 [nblk].
+
+    A thread per block, grid-stride: the next block's 32 bytes are loaded before this one is encoded, so a
+    warp's loads stay in flight through its ~300 instructions of encoding (one block a thread and no loop
+    left each wave's loads and math apart: 34.8 us at Pro shapes, 51% of copy bandwidth)."""
     threads = 256
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, g_ptr: cute.Pointer, c_ptr: cute.Pointer, s_ptr: cute.Pointer,
-                 nblk: Int32, stream):
+                 nblk: Int32, grid: Int32, iters: Int32, stream):
         mX = cute.make_tensor(x_ptr, cute.make_layout((8, 2, nblk), stride=(1, 8, 16)))
         mG = cute.make_tensor(g_ptr, cute.make_layout((1,)))
         mC = cute.make_tensor(c_ptr, cute.make_layout((2, nblk), stride=(1, 2)))
         mS = cute.make_tensor(s_ptr, cute.make_layout((nblk,)))
-        self.kernel(mX, mG, mC, mS, nblk).launch(
-            grid=[cute.ceil_div(nblk, self.threads), 1, 1], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(mX, mG, mC, mS, nblk, iters).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1],
+                                                         stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mG: cute.Tensor, mC: cute.Tensor, mS: cute.Tensor, nblk: Int32):
+    def kernel(self, mX: cute.Tensor, mG: cute.Tensor, mC: cute.Tensor, mS: cute.Tensor, nblk: Int32,
+               iters: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        b = bidx * self.threads + tidx
-        bc = cutlass.min(b, nblk - 1)
-        rX = cute.make_rmem_tensor((8, 2), BFloat16)
-        cute.autovec_copy(mX[None, None, bc], rX)
-        rW = cute.recast_tensor(rX, Int32)                       # (8,) words: element 2j low, 2j+1 high
+        gdim, _, _ = cute.arch.grid_dim()
+        stride = gdim * self.threads
+        b0 = bidx * self.threads + tidx
         g = mG[0]
-        # block amax from the magnitude bits (exact, and |-0| = +0 as torch's abs)
-        mb = Int32(0)
-        for j in cutlass.range_constexpr(8):
-            w = rW[j]
-            mb = cutlass.max(mb, cutlass.max(w & 0x7FFF, (w >> 16) & 0x7FFF))
-        sa = bits_f32(mb << 16)
-        t = sa / (Float32(FP4_MAX) * g)
-        rE = cute.make_rmem_tensor((2,), cutlass.Float8E4M3FN)
-        rT = cute.make_rmem_tensor((2,), Float32)
-        rT[0] = t
-        rT[1] = t
-        rE.store(rT.load().to(cutlass.Float8E4M3FN))             # cvt.rn.satfinite.e4m3x2
-        bs = rE.load().to(Float32)[0] * g
-        den = bs
-        if bs <= Float32(0.0):
-            den = Float32(1.0)
-        words = cute.make_rmem_tensor((2,), Int32)
-        for half in cutlass.range_constexpr(2):
+        rX = cute.make_rmem_tensor((8, 2), BFloat16)
+        cute.autovec_copy(mX[None, None, cutlass.min(b0, nblk - 1)], rX)
+        rW = cute.make_rmem_tensor((8,), Int32)                  # words: element 2j low, 2j+1 high
+        for it in cutlass.range(iters):
+            b = b0 + it * stride
+            rW.store(cute.recast_tensor(rX, Int32).load())
+            cute.autovec_copy(mX[None, None, cutlass.min(b + stride, nblk - 1)], rX)   # prefetch
+            # block amax from the magnitude bits (exact, and |-0| = +0 as torch's abs)
+            mb = Int32(0)
+            for j in cutlass.range_constexpr(8):
+                w = rW[j]
+                mb = cutlass.max(mb, cutlass.max(w & 0x7FFF, (w >> 16) & 0x7FFF))
+            t = bits_f32(mb << 16) / (Float32(FP4_MAX) * g)
+            rE = cute.make_rmem_tensor((2,), cutlass.Float8E4M3FN)
+            rT = cute.make_rmem_tensor((2,), Float32)
+            rT[0] = t
+            rT[1] = t
+            # cvt.rn.satfinite.e4m3x2: a caller's g below amax / 2688 saturates scales at 448 (torch 2.13's CPU
+            # cast does too; torch 2.11's CUDA cast gives NaN): g from the tensor's amax never gets there
+            rE.store(rT.load().to(cutlass.Float8E4M3FN))
+            bs = rE.load().to(Float32)[0] * g
+            den = cutlass.select_(bs > Float32(0.0), bs, Float32(1.0))  # also for a NaN scale, as the reference
+            words = cute.make_rmem_tensor((2,), Int32)
+            if (mb <= 0x7F80 and den >= Float32(QUOTIENT_DEN_RANGE[0])    # no NaN x (quotient_rn would code 7)
+                    and den <= Float32(QUOTIENT_DEN_RANGE[1])):
+                self.encode(rW, den, Float32(1.0) / den, words)   # one IEEE division a block
+            else:
+                self.encode(rW, den, None, words)
+            if b < nblk:
+                cute.autovec_copy(cute.recast_tensor(words, Uint32), mC[None, b])
+                mS[b] = rE[0]
+
+    # trace-time helper: the 16 codes of a block into two words
+    def encode(self, rW, den, rcp, words):
+        for half in range(2):
             acc = Int32(0)
-            for i in cutlass.range_constexpr(8):
+            for i in range(8):
                 e = half * 8 + i
                 w = rW[e // 2]
-                hb = (w >> (16 * (e % 2))) & 0xFFFF
-                a = bits_f32((hb & 0x7FFF) << 16) / den            # |x| / bs, IEEE division
-                code = ((hb >> 12) & 8) + e2m1_magnitude_code(a)
-                acc = acc | (code << (4 * i))
+                x = bits_f32(w << 16 if e % 2 == 0 else w & -65536)        # the bf16 as fp32, signed
+                if rcp is None:
+                    q = x / den                                             # IEEE division
+                    q = cutlass.select_(q == q, q, Float32(0.0))  # noqa: PLR0124 (NaN test): NaN scale or x, code 0
+                else:
+                    q = quotient_rn(x, den, rcp)
+                sign = Int32(Uint32(f32_bits(x)) >> 31)
+                acc = acc + (e2m1_code(q) + sign * 8) * (1 << (4 * i))      # disjoint nibbles: + is |
             words[half] = acc
-        if b < nblk:
-            cute.autovec_copy(cute.recast_tensor(words, Uint32), mC[None, b])
-            mS[b] = rE[0]
-
 
 class Dequant:
     """codes uint32 [nblk * 2], scales e4m3 [nblk], g fp32 [1] -> bf16 [nblk * 16]."""
@@ -209,7 +251,7 @@ def _build_amax():
 
 def _build_quant():
     return Quant(), (fake_ptr(BFloat16), fake_ptr(Float32, 4), fake_ptr(Uint32, 8), fake_ptr(cutlass.Float8E4M3FN, 1),
-                     Int32(1), fake_stream())
+                     Int32(1), Int32(1), Int32(1), fake_stream())
 
 
 def _build_dequant():
@@ -271,9 +313,11 @@ def quantize(x, g=None):
     scales = torch.empty(*x.shape[:-1], x.size(-1) // BLOCK, dtype=torch.float8_e4m3fn, device=x.device)
     nblk = x.numel() // BLOCK
     if nblk:
+        grid = max(1, min(sm_count(x.device) * QUANT_CTAS_PER_SM, -(-nblk // Quant.threads)))
+        iters = -(-nblk // (grid * Quant.threads))
         fn = compile_kernel("nvfp4_quant", device_arch(x.device))
         fn(ptr(x), ptr(g, Float32, 4), ptr(codes, Uint32, 8), ptr(scales, cutlass.Float8E4M3FN, 1), Int32(nblk),
-           current_stream())
+           Int32(grid), Int32(iters), current_stream())
     return codes, scales, g
 
 

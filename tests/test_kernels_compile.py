@@ -129,6 +129,16 @@ def test_resources_read_from_the_cubin():
     assert row["ctas_per_sm_by_registers"] == 65536 // (-(-row["registers"] // 8) * 8 * 128)
 
 
+def test_nvfp4_quant_grid_fits_its_residency():
+    """nvfp4_quant's grid-stride launch sizes its grid to QUANT_CTAS_PER_SM CTAs an SM: the cubin's registers must
+    let that many reside at once, or the last CTAs run as a second wave (and more idle SMs than a loop saves)."""
+    from dsv4_kernels.compile import compile_in_child
+    from dsv4_kernels.nvfp4 import QUANT_CTAS_PER_SM
+    row = compile_in_child("nvfp4_quant", {}, "sm_90a", resources=True)
+    assert row["ok"], row["error"]
+    assert row["ctas_per_sm_by_registers"] >= QUANT_CTAS_PER_SM
+
+
 def test_resources_see_local_memory(tmp_path):
     """A kernel whose register array is indexed at run time lives in local memory: cubin_resources says so, so
     the spill check below can fail."""

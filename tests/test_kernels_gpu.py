@@ -86,6 +86,49 @@ def test_nvfp4_codes_of_every_bf16_magnitude(block_max):
     assert torch.equal(codes, rc)
 
 
+@pytest.mark.parametrize("g", [1.0, 0.3711, 2.9e-5])
+def test_nvfp4_codes_at_every_block_scale(g):
+    """Blocks led by every bf16 max whose e4m3 scale lies in [2^-9, 448] (every positive finite e4m3 scale,
+    non-powers of two included, so bs = e * g has a rounded reciprocal), the other 15 elements every bf16
+    magnitude from max / 32 to max with both signs: every rounding threshold of |x| / bs at every scale; the
+    kernel's codes (one reciprocal a block, refined per element) must be the reference's IEEE quotients'."""
+    from dsv4_kernels import nvfp4
+    finite = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    maxes = finite[(finite >= 6 * 2.0 ** -9 * g) & (finite <= 6 * 448 * g)].cuda()
+    mbits = maxes.bfloat16().view(torch.int16).int()
+    mags = (mbits[:, None] - torch.arange(5 * 128 + 1, device="cuda")).to(torch.int16).view(torch.bfloat16)
+    vals = torch.cat([mags, -mags], 1).float()
+    vals = torch.cat([vals, vals.new_zeros(len(vals), -vals.size(1) % 15)], 1).view(len(vals), -1, 15)
+    x = torch.cat([maxes[:, None, None].expand(-1, vals.size(1), 1), vals], 2).reshape(-1, 16).bfloat16()
+    gt = torch.full((1,), g, device="cuda")
+    codes, scales, _ = nvfp4.quantize(x, gt)
+    rc, rs, _ = nvfp4.reference_quantize(x, gt)
+    assert torch.equal(scales.view(torch.uint8), rs.view(torch.uint8))
+    assert set(scales.view(torch.uint8).unique().tolist()) == set(range(1, 127))
+    assert torch.equal(codes, rc)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 2.0 ** -100, 1e25])
+def test_nvfp4_specials_and_extreme_scales_match_the_reference(scale):
+    """NaN, +-inf, -0, large and subnormal bf16 values in blocks of their own and among normal values, the
+    whole tensor scaled so that block scales fall outside quotient_rn's range (IEEE divisions there); g from
+    the amax (NaN or inf with those rows: every block scale NaN, divided by 1 as the reference does) and twice
+    that: codes, scales and g bit for bit the reference's (a NaN x codes only its sign)."""
+    from dsv4_kernels import nvfp4
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(5)) * 3
+    x[0, 3], x[1, 17], x[2, 40] = float("nan"), float("inf"), -float("inf")
+    x[3, :16] = -0.0
+    x[4, 5], x[6, 16:32] = 3e18, -3e18
+    x[5, :16] = 1e-40 / max(scale, 1.0)
+    x = (x * scale).bfloat16().cuda()
+    for rows in (x, x[1:], x[3:]):                              # with NaN and inf, inf only, neither
+        for g in (None, 2 * nvfp4.global_scale(rows.float().abs().amax())):
+            codes, scales, gs = nvfp4.quantize(rows, g)
+            rc, rs, rg = nvfp4.reference_quantize(rows, g)
+            assert torch.equal(codes, rc) and torch.equal(scales.view(torch.uint8), rs.view(torch.uint8))
+            assert torch.equal(gs.view(torch.int32), rg.view(torch.int32))
+
+
 def test_nvfp4_quantise_is_bit_exact_and_writes_every_byte():
     from dsv4_kernels import nvfp4
 

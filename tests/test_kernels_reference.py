@@ -72,17 +72,26 @@ def test_e2m1_thresholds_match_reference_rounding():
     assert torch.equal(lut[code], ref.e2m1_round(a))
 
 
-def test_e2m1_rounding_by_bits_is_the_threshold_count():
-    """nvfp4's e2m1_magnitude_code (the quantise kernel's arithmetic, restated in numpy: the kernel runs only on a
-    GPU) gives the reference's threshold count for every fp32 of [1/8, 8), where all 7 thresholds and their
-    ties lie, for larger values, +inf and NaN; breaking its half-to-even step or the 1.0 boundary fails here."""
+def test_e2m1_code_arithmetic_is_the_threshold_count():
+    """nvfp4.e2m1_code (the quantise kernel's arithmetic, restated in numpy: the kernel runs only on a GPU)
+    gives the reference's threshold count of |q| for every fp32 of [1/8, 8), where all 7 thresholds and their
+    ties lie, both signs, for larger values and +-inf, and saturates NaN (an overflowed quotient); breaking
+    the 2-bit rounding's ties, the 1.0 seam or the saturation fails here."""
     import numpy as np
-    a = np.concatenate([np.arange(0x3E000000, 0x41000000, dtype=np.uint32).view(np.float32),
-                        np.float32([0.0, 1e-30, 0.1, 8.0, 255.9, 1e20, 3e38, np.inf, np.nan])])
-    b = a.view(np.int32).astype(np.int64)
-    high = np.minimum((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22, 259) - 252
+    f32 = np.float32
+    mags = np.concatenate([np.arange(0x3E000000, 0x41000000, dtype=np.uint32).view(f32),
+                           f32([0.0, 1e-30, 0.1, 8.0, 255.9, 1e20, 3e38, np.inf])])
+    q = np.concatenate([mags, -mags, f32([np.nan])])
+    c = np.minimum(np.abs(q), f32(6))                        # numpy's minimum propagates NaN, PTX min does not
+    c = np.where(np.isnan(c), f32(6), c)
+    h = np.maximum(c, f32(1))
+    g = h * f32(nvfp4.E2M1_SPLIT)
+    h = g - (g - h)
+    low = np.minimum(c, f32(1)) * f32(2) + f32(nvfp4.ROUND_MAGIC)  # exact product: as the kernel's fma
+    code = ((h.view(np.uint32) >> 22).astype(np.int64) - 254 + low.view(np.uint32).astype(np.int64)
+            - 0x4B400000)
+    a = np.abs(q)
     with np.errstate(invalid="ignore"):
-        low = (a * np.float32(2) + np.float32(12582912.0)).view(np.int32).astype(np.int64) - 0x4B400000
-    code = np.where(a >= 1, high, np.where(a < 1, low, 0))
-    want = sum(((a >= t) if inclusive else (a > t)).astype(np.int64) for t, inclusive in nvfp4.E2M1_THRESHOLDS)
+        want = sum(((a >= t) if inclusive else (a > t)).astype(np.int64) for t, inclusive in nvfp4.E2M1_THRESHOLDS)
+    want[np.isnan(q)] = 7
     assert np.array_equal(code, want)
