@@ -26,7 +26,6 @@ def cases():
     w512 = torch.ones(512, device="cuda")
     return {
         "nvfp4_quant": lambda: nvfp4.quantize(x, g),
-        "nvfp4_dequant": lambda: nvfp4.dequantize(*nvfp4.quantize(x, g)),
         "rope_inplace": lambda: rope.rope_(q, freqs),
         "kv_norm": lambda: norm.rms_norm(kv, w512, 1e-6),
         "hc_mix": lambda: mhc.hc_mixes(streams, fn, 1e-6),
