@@ -304,6 +304,12 @@ def cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32):
                          read_only_args=[smem_addr, gmem_addr, src_bytes])
 
 
+def cp_async_8(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32):
+    """8 bytes global -> shared (8-byte aligned both sides); zero-filled past src_bytes (all 8 for 0)."""
+    cute.arch.inline_ptx("cp.async.ca.shared.global [{$r0}], [{$r1}], 8, {$r2};",
+                         read_only_args=[smem_addr, gmem_addr, src_bytes])
+
+
 def st_global_v4(addr: Int64, vals: list):
     cute.arch.inline_ptx("st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[addr, *vals])
 

@@ -51,7 +51,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ._common import KernelDef, bits_f32, fake_ptr, fake_stream, register
+from ._common import KernelDef, bits_f32, cp_async_8, fake_ptr, fake_stream, register
 
 SM90 = ("sm_90a",)
 SMEM_BYTES = 227 * 1024
@@ -71,7 +71,8 @@ class SparseAttn:
     threads = 384
 
     def __init__(self, kv: str = "fp8", bn: int = 32, lookahead: int = 2, split: bool = False,
-                 nope: int = 448, rope: int = 64):
+                 nope: int = 448, rope: int = 64, diag: str = ""):
+        self.diag = set(diag.split("+")) if diag else set()
         if kv not in ("fp8", "bf16"):
             raise ValueError(f"sparse_attn: kv must be 'fp8' or 'bf16', not {kv!r}")
         if bn not in (16, 32, 64):
@@ -144,6 +145,7 @@ class SparseAttn:
             empty: cute.struct.MemRange[cutlass.Int64, self.kv_stages]
             valid: cute.struct.MemRange[Int32, self.kv_stages * self.bn]
             rowidx: cute.struct.MemRange[Int32, raw_n * self.bn]
+            index: cute.struct.MemRange[Int32, 2 * self.bn]
             xchg: cute.struct.MemRange[Float32, 2 * 2 * s_vals * 128]
             raw: cute.struct.Align[cute.struct.MemRange[Int64, raw_words], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
@@ -215,38 +217,44 @@ class SparseAttn:
         tKVsKV = thr_g2s.partition_D(sKV)          # (CPY, passes, 1, stages)
         tRsKV = thr_r2s.partition_D(sKV)
         mRaw = None
+        raw_addr, a_addr, b_addr = Int32(0), Int64(0), Int64(0)
         if cutlass.const_expr(self.kv == "fp8"):
             mRaw = st.raw.get_tensor(cute.make_layout((ROW_WORDS, bn, self.raw_stages),
                                                       stride=(1, ROW_WORDS, ROW_WORDS * bn)))
+            raw_addr = mRaw.iterator.toint()
+            a_addr, b_addr = mA.iterator.toint(), mB.iterator.toint()
         sRowIdx = st.rowidx.get_tensor(cute.make_layout((bn, max(self.raw_stages, 1))))
-        word_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Int64,
-                                        num_bits_per_copy=64)
+
+        # the block's index column, one entry a thread, read from global one block ahead (its latency is hidden
+        # behind a block of copies and dequantisation) and staged in shared memory for every thread's rows
+        sIndex = st.index.get_tensor(cute.make_layout((bn, 2)))
+        if tidx < bn and nblk > 0:
+            sIndex[tidx, 0] = self.load_index(mIdx, tok, blk0 * bn + tidx, K, n_a, n_b)
+        prod_bar.arrive_and_wait()
 
         write_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         acquire_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         la = self.lookahead
         for j in cutlass.range(nblk + la, unroll=1):
+            v_next = Int32(-1)
+            if tidx < bn and j + 1 < nblk:
+                v_next = self.load_index(mIdx, tok, (blk0 + j + 1) * bn + tidx, K, n_a, n_b)
             if j < nblk:
-                col0 = (blk0 + j) * bn
                 if cutlass.const_expr(self.kv == "fp8"):
                     rs = j % self.raw_stages
+                    # 8-byte pieces, zero-filled for a skipped row (which then dequantises to zeros)
                     for p in cutlass.range_constexpr(self.passes):
                         row = p * rpp + r_in
-                        in_a, slot, ok = self.source_row(mIdx, tok, col0 + row, K, n_a, n_b)
+                        in_a, slot, ok = self.source_row(sIndex[row, j % 2], n_a)
                         if u == 0:
                             sRowIdx[row, rs] = cutlass.select_(ok, Int32(1), Int32(0))
-                        if ok:
-                            base = Int64(slot) * ROW_WORDS
-                            for w in cutlass.range_constexpr((ROW_WORDS + units - 1) // units):
-                                c = u + w * units
-                                if c < ROW_WORDS:
-                                    dst = cute.make_tensor(mRaw[None, row, rs].iterator + c, cute.make_layout((1,)))
-                                    if in_a:
-                                        cute.copy(word_atom, cute.make_tensor(mA.iterator + (base + c),
-                                                                              cute.make_layout((1,))), dst)
-                                    else:
-                                        cute.copy(word_atom, cute.make_tensor(mB.iterator + (base + c),
-                                                                              cute.make_layout((1,))), dst)
+                        src = cutlass.select_(in_a, a_addr, b_addr) + Int64(cutlass.max(slot, 0)) * ROW_BYTES + u * 8
+                        dst = raw_addr + ((rs * bn + row) * ROW_WORDS + u) * 8
+                        nbytes = cutlass.select_(ok, Int32(8), Int32(0))
+                        if cutlass.const_expr("no_gather" not in self.diag):
+                            cp_async_8(dst, src, nbytes)
+                            if u < ROW_WORDS - units:
+                                cp_async_8(dst + units * 8, src + units * 8, nbytes)
                 else:
                     # bf16 rows go straight into the tile: acquire the stage now, commit it la blocks later
                     pipe.producer_acquire(acquire_state)
@@ -254,7 +262,7 @@ class SparseAttn:
                     acquire_state.advance()
                     for p in cutlass.range_constexpr(self.passes):
                         row = p * rpp + r_in
-                        in_a, slot, ok = self.source_row(mIdx, tok, col0 + row, K, n_a, n_b)
+                        in_a, slot, ok = self.source_row(sIndex[row, j % 2], n_a)
                         if u == 0:
                             sValid[row, ks] = cutlass.select_(ok, Int32(1), Int32(0))
                         dstt = tKVsKV[None, p, 0, ks]
@@ -277,52 +285,70 @@ class SparseAttn:
                     rs = jj % self.raw_stages
                     pipe.producer_acquire(write_state)
                     ks = write_state.index
-                    for p in cutlass.range_constexpr(self.passes):
-                        row = p * rpp + r_in
-                        ok = sRowIdx[row, rs] != 0
-                        if u == 0:
-                            sValid[row, ks] = sRowIdx[row, rs]
-                        rO = cute.make_rmem_tensor((8,), BFloat16)
-                        if not ok:
-                            rO.fill(0.0)
-                        else:
-                            if u < self.nope // 8:
-                                rQ8 = cute.make_rmem_tensor((8,), cutlass.Float8E4M3FN)
-                                cute.recast_tensor(rQ8, Int64)[0] = mRaw[u, row, rs]
-                                sw = mRaw[ROW_WORDS - 1, row, rs]
-                                e = Int32((sw >> ((u // 8) * 8)) & 0xFF)
-                                scale = bits_f32(e << 23)                  # 2^(e - 127)
-                                rO.store((rQ8.load().to(Float32) * scale).to(BFloat16))
-                            else:
-                                jr = u - self.nope // 8
-                                rW = cute.recast_tensor(rO, Int64)
-                                rW[0] = mRaw[self.nope // 8 + 2 * jr, row, rs]
-                                rW[1] = mRaw[self.nope // 8 + 2 * jr + 1, row, rs]
-                        cute.autovec_copy(rO, tRsKV[None, p, 0, ks])
+                    if cutlass.const_expr("no_dequant" not in self.diag):
+                        self.dequant_block(mRaw, sRowIdx, sValid, tRsKV, rs, ks, r_in, u)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     pipe.producer_commit(write_state)
                     write_state.advance()
-                    prod_bar.arrive_and_wait()                   # raw stage rs may be refilled next iteration
                 else:
                     cute.arch.fence_proxy("async.shared", space="cta")
                     pipe.producer_commit(write_state)
                     write_state.advance()
+            if tidx < bn and j + 1 < nblk:
+                sIndex[tidx, (j + 1) % 2] = v_next
+            prod_bar.arrive_and_wait()          # next block's index column staged; raw stage rs may be refilled
         if nblk == 0:
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
 
+    @cute.jit
+    def dequant_block(self, mRaw: cute.Tensor, sRowIdx: cute.Tensor, sValid: cute.Tensor, tRsKV: cute.Tensor,
+                      rs: Int32, ks: Int32, r_in: Int32, u: Int32):
+        """Raw FP8 block (ring stage rs) -> bf16 tile stage ks: this thread's 8-dim unit u of one row a pass.
+
+        A thread's unit is the same in every pass, so the nope / rope choice is one branch around straight-line
+        passes (branches inside a pass kept ptxas from overlapping one pass's shared loads with the previous
+        pass's conversions). Skipped rows were zero-filled by the gather: they dequantise to zeros."""
+        nope_units = self.nope // 8
+        if u < nope_units:
+            shift = (u // 8) * 8                         # scale byte of this unit's 64-dim group
+            for p in cutlass.range_constexpr(self.passes):
+                row = p * self.rows_per_pass + r_in
+                if u == 0:
+                    sValid[row, ks] = sRowIdx[row, rs]
+                rQ8 = cute.make_rmem_tensor((8,), cutlass.Float8E4M3FN)
+                cute.recast_tensor(rQ8, Int64)[0] = mRaw[u, row, rs]
+                e = Int32((mRaw[ROW_WORDS - 1, row, rs] >> shift) & 0xFF)
+                rO = cute.make_rmem_tensor((8,), BFloat16)
+                rO.store((rQ8.load().to(Float32) * bits_f32(e << 23)).to(BFloat16))    # x 2^(e - 127)
+                cute.autovec_copy(rO, tRsKV[None, p, 0, ks])
+        else:
+            w0 = nope_units + 2 * (u - nope_units)        # the rope dims are bf16 already: copied
+            for p in cutlass.range_constexpr(self.passes):
+                row = p * self.rows_per_pass + r_in
+                rO = cute.make_rmem_tensor((8,), BFloat16)
+                rW = cute.recast_tensor(rO, Int64)
+                rW[0] = mRaw[w0, row, rs]
+                rW[1] = mRaw[w0 + 1, row, rs]
+                cute.autovec_copy(rO, tRsKV[None, p, 0, ks])
+
     # ----------------------------------------------------------------------------------------------------
     @cute.jit
-    def source_row(self, mIdx: cute.Tensor, tok: Int32, col: Int32, K: Int32, n_a: Int32, n_b: Int32):
-        """Where index column `col` of token `tok` points: (in the first source, its row there, whether it names
-        a row at all: -1, columns past K and rows past the second source's n_b are skipped)."""
+    def load_index(self, mIdx: cute.Tensor, tok: Int32, col: Int32, K: Int32, n_a: Int32, n_b: Int32):
+        """Index column `col` of token `tok`, or -1 where it names no row: -1 itself, columns past K, rows past
+        the second source's n_b."""
         v = Int32(-1)
         if col < K:
             v = mIdx[tok, col]
+        if v >= n_a + n_b:
+            v = Int32(-1)
+        return v
+
+    @cute.jit
+    def source_row(self, v: Int32, n_a: Int32):
+        """Where a loaded index points: (in the first source, its row there, whether it names a row at all)."""
         in_a = v < n_a
-        slot = cutlass.select_(in_a, v, v - n_a)
-        ok = v >= 0 and (in_a or slot < n_b)
-        return in_a, slot, ok
+        return in_a, cutlass.select_(in_a, v, v - n_a), v >= 0
 
     @cute.jit
     def consumer(self, st, mSink: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, sQ: cute.Tensor,
@@ -363,24 +389,29 @@ class SparseAttn:
 
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         for j in cutlass.range(nblk, unroll=1):
-            ks = read_state.index
-            pipe.consumer_wait(read_state)
+          ks = read_state.index
+          pipe.consumer_wait(read_state)
+          if cutlass.const_expr("no_consumer" in self.diag):
+            pipe.consumer_release(read_state)
+            read_state.advance()
+          else:
             # S partial over this warpgroup's 256 dims
             warpgroup.fence()
             mma = cute.make_mma_atom(tiled_mma_qk.op)
             mma.set(warpgroup.Field.ACCUMULATE, False)
-            for k in cutlass.range_constexpr(n_ksteps_s):
+            for k in cutlass.range_constexpr(n_ksteps_s if "no_mma" not in self.diag else 1):
                 cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, ks], acc_S)
                 mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             # exchange partial scores with the other consumer warpgroup (double-buffered by block parity)
             par = j % 2
-            for i in cutlass.range_constexpr(s_vals):
-                sX[i, ctid, c, par] = acc_S[i]
-            cons_bar.arrive_and_wait()
-            for i in cutlass.range_constexpr(s_vals):
-                acc_S[i] = acc_S[i] + sX[i, ctid, 1 - c, par]
+            if cutlass.const_expr("no_xchg" not in self.diag):
+                for i in cutlass.range_constexpr(s_vals):
+                    sX[i, ctid, c, par] = acc_S[i]
+                cons_bar.arrive_and_wait()
+                for i in cutlass.range_constexpr(s_vals):
+                    acc_S[i] = acc_S[i] + sX[i, ctid, 1 - c, par]
             # mask, scale to the exp2 domain, block row max
             bmax = cute.make_rmem_tensor((2,), Float32)
             bmax.fill(-Float32.inf)
@@ -414,7 +445,7 @@ class SparseAttn:
                 h = (i // 2) % 2
                 row_sum[h] = row_sum[h] + acc_S[i]
             # rescale O (each thread's accumulator values alternate rows in pairs, like S)
-            for i in cutlass.range(cute.size(acc_O), unroll_full=True):
+            for i in cutlass.range(cute.size(acc_O) if "no_rescale" not in self.diag else 0, unroll_full=True):
                 acc_O[i] = acc_O[i] * alpha[(i // 2) % 2]
             # P -> bf16 in the A-operand register layout (same thread/value map as the accumulator)
             rP = cute.make_tensor(tOrP.iterator, tOrP.layout)
@@ -422,7 +453,7 @@ class SparseAttn:
             warpgroup.fence()
             mma2 = cute.make_mma_atom(tiled_mma_pv.op)
             mma2.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(n_ksteps_o):
+            for k in cutlass.range_constexpr(n_ksteps_o if "no_mma" not in self.diag else 1):
                 cute.gemm(mma2, acc_O, tOrP[None, None, k], tOrV[None, None, k, ks], acc_O)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
@@ -559,8 +590,8 @@ class SparseAttnCombine:
 # Registry (compile without a GPU)
 # --------------------------------------------------------------------------------------------------------
 
-def _build(kv: str = "fp8", bn: int = 32, lookahead: int = 2, split: bool = False):
-    kern = SparseAttn(kv=kv, bn=bn, lookahead=lookahead, split=split)
+def _build(kv: str = "fp8", bn: int = 32, lookahead: int = 2, split: bool = False, diag: str = ""):
+    kern = SparseAttn(kv=kv, bn=bn, lookahead=lookahead, split=split, diag=diag)
     kv_t = Int64 if kv == "fp8" else BFloat16
     align = 8 if kv == "fp8" else 16
     return kern, (fake_ptr(BFloat16), fake_ptr(Int32, 4), fake_ptr(Float32, 4), fake_ptr(kv_t, align),
@@ -593,6 +624,8 @@ register(KernelDef("sparse_attn_combine", "attention", ("sm_90a", "sm_100a"), _b
 # --------------------------------------------------------------------------------------------------------
 
 H200_SMS = 132
+_DIAG = ""
+_DIAG_LA = 2
 
 
 def choose_splits(S: int, Hp: int, K: int, bn: int = 32, sms: int = H200_SMS) -> int:
@@ -643,7 +676,8 @@ def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn)
     pa, pb = ptr(src_a, word, al), ptr(src_b if src_b is not None else src_a, word, al)
     sl2 = Float32(scale * LOG2E)
     if Z == 1:
-        fn = compile_kernel("sparse_attn", arch, kv=kv_fmt, bn=bn, lookahead=2, split=False)
+        fn = compile_kernel("sparse_attn", arch, kv=kv_fmt, bn=bn, lookahead=_DIAG_LA, split=False,
+                            **({"diag": _DIAG} if _DIAG else {}))
         fn(ptr(q), ptr(idx, Int32, 4), ptr(sink, Float32, 4), pa, pb, ptr(out), ptr(sink, Float32, 4),
            Int32(S), Int32(Hp), Int32(K), Int32(n_a), Int32(n_b), Int32(bps), Int32(1), sl2, current_stream())
     else:
