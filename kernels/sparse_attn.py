@@ -71,8 +71,7 @@ class SparseAttn:
     threads = 384
 
     def __init__(self, kv: str = "fp8", bn: int = 32, lookahead: int = 2, split: bool = False,
-                 nope: int = 448, rope: int = 64, diag: str = ""):
-        self.diag = set(diag.split("+")) if diag else set()
+                 nope: int = 448, rope: int = 64):
         if kv not in ("fp8", "bf16"):
             raise ValueError(f"sparse_attn: kv must be 'fp8' or 'bf16', not {kv!r}")
         if bn not in (16, 32, 64):
@@ -251,10 +250,9 @@ class SparseAttn:
                         src = cutlass.select_(in_a, a_addr, b_addr) + Int64(cutlass.max(slot, 0)) * ROW_BYTES + u * 8
                         dst = raw_addr + ((rs * bn + row) * ROW_WORDS + u) * 8
                         nbytes = cutlass.select_(ok, Int32(8), Int32(0))
-                        if cutlass.const_expr("no_gather" not in self.diag):
-                            cp_async_8(dst, src, nbytes)
-                            if u < ROW_WORDS - units:
-                                cp_async_8(dst + units * 8, src + units * 8, nbytes)
+                        cp_async_8(dst, src, nbytes)
+                        if u < ROW_WORDS - units:
+                            cp_async_8(dst + units * 8, src + units * 8, nbytes)
                 else:
                     # bf16 rows go straight into the tile: acquire the stage now, commit it la blocks later
                     pipe.producer_acquire(acquire_state)
@@ -285,8 +283,7 @@ class SparseAttn:
                     rs = jj % self.raw_stages
                     pipe.producer_acquire(write_state)
                     ks = write_state.index
-                    if cutlass.const_expr("no_dequant" not in self.diag):
-                        self.dequant_block(mRaw, sRowIdx, sValid, tRsKV, rs, ks, r_in, u)
+                    self.dequant_block(mRaw, sRowIdx, sValid, tRsKV, rs, ks, r_in, u)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     pipe.producer_commit(write_state)
                     write_state.advance()
@@ -389,29 +386,24 @@ class SparseAttn:
 
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         for j in cutlass.range(nblk, unroll=1):
-          ks = read_state.index
-          pipe.consumer_wait(read_state)
-          if cutlass.const_expr("no_consumer" in self.diag):
-            pipe.consumer_release(read_state)
-            read_state.advance()
-          else:
+            ks = read_state.index
+            pipe.consumer_wait(read_state)
             # S partial over this warpgroup's 256 dims
             warpgroup.fence()
             mma = cute.make_mma_atom(tiled_mma_qk.op)
             mma.set(warpgroup.Field.ACCUMULATE, False)
-            for k in cutlass.range_constexpr(n_ksteps_s if "no_mma" not in self.diag else 1):
+            for k in cutlass.range_constexpr(n_ksteps_s):
                 cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, ks], acc_S)
                 mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             # exchange partial scores with the other consumer warpgroup (double-buffered by block parity)
             par = j % 2
-            if cutlass.const_expr("no_xchg" not in self.diag):
-                for i in cutlass.range_constexpr(s_vals):
-                    sX[i, ctid, c, par] = acc_S[i]
-                cons_bar.arrive_and_wait()
-                for i in cutlass.range_constexpr(s_vals):
-                    acc_S[i] = acc_S[i] + sX[i, ctid, 1 - c, par]
+            for i in cutlass.range_constexpr(s_vals):
+                sX[i, ctid, c, par] = acc_S[i]
+            cons_bar.arrive_and_wait()
+            for i in cutlass.range_constexpr(s_vals):
+                acc_S[i] = acc_S[i] + sX[i, ctid, 1 - c, par]
             # mask, scale to the exp2 domain, block row max
             bmax = cute.make_rmem_tensor((2,), Float32)
             bmax.fill(-Float32.inf)
@@ -445,7 +437,7 @@ class SparseAttn:
                 h = (i // 2) % 2
                 row_sum[h] = row_sum[h] + acc_S[i]
             # rescale O (each thread's accumulator values alternate rows in pairs, like S)
-            for i in cutlass.range(cute.size(acc_O) if "no_rescale" not in self.diag else 0, unroll_full=True):
+            for i in cutlass.range(cute.size(acc_O), unroll_full=True):
                 acc_O[i] = acc_O[i] * alpha[(i // 2) % 2]
             # P -> bf16 in the A-operand register layout (same thread/value map as the accumulator)
             rP = cute.make_tensor(tOrP.iterator, tOrP.layout)
@@ -453,7 +445,7 @@ class SparseAttn:
             warpgroup.fence()
             mma2 = cute.make_mma_atom(tiled_mma_pv.op)
             mma2.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(n_ksteps_o if "no_mma" not in self.diag else 1):
+            for k in cutlass.range_constexpr(n_ksteps_o):
                 cute.gemm(mma2, acc_O, tOrP[None, None, k], tOrV[None, None, k, ks], acc_O)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
@@ -590,8 +582,8 @@ class SparseAttnCombine:
 # Registry (compile without a GPU)
 # --------------------------------------------------------------------------------------------------------
 
-def _build(kv: str = "fp8", bn: int = 32, lookahead: int = 2, split: bool = False, diag: str = ""):
-    kern = SparseAttn(kv=kv, bn=bn, lookahead=lookahead, split=split, diag=diag)
+def _build(kv: str = "fp8", bn: int = 32, lookahead: int = 2, split: bool = False):
+    kern = SparseAttn(kv=kv, bn=bn, lookahead=lookahead, split=split)
     kv_t = Int64 if kv == "fp8" else BFloat16
     align = 8 if kv == "fp8" else 16
     return kern, (fake_ptr(BFloat16), fake_ptr(Int32, 4), fake_ptr(Float32, 4), fake_ptr(kv_t, align),
@@ -624,8 +616,6 @@ register(KernelDef("sparse_attn_combine", "attention", ("sm_90a", "sm_100a"), _b
 # --------------------------------------------------------------------------------------------------------
 
 H200_SMS = 132
-_DIAG = ""
-_DIAG_LA = 2
 
 
 def choose_splits(S: int, Hp: int, K: int, bn: int = 32, sms: int = H200_SMS) -> int:
@@ -676,8 +666,7 @@ def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn)
     pa, pb = ptr(src_a, word, al), ptr(src_b if src_b is not None else src_a, word, al)
     sl2 = Float32(scale * LOG2E)
     if Z == 1:
-        fn = compile_kernel("sparse_attn", arch, kv=kv_fmt, bn=bn, lookahead=_DIAG_LA, split=False,
-                            **({"diag": _DIAG} if _DIAG else {}))
+        fn = compile_kernel("sparse_attn", arch, kv=kv_fmt, bn=bn, lookahead=2, split=False)
         fn(ptr(q), ptr(idx, Int32, 4), ptr(sink, Float32, 4), pa, pb, ptr(out), ptr(sink, Float32, 4),
            Int32(S), Int32(Hp), Int32(K), Int32(n_a), Int32(n_b), Int32(bps), Int32(1), sl2, current_stream())
     else:
