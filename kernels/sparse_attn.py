@@ -616,20 +616,30 @@ register(KernelDef("sparse_attn_combine", "attention", ("sm_90a", "sm_100a"), _b
 # --------------------------------------------------------------------------------------------------------
 
 H200_SMS = 132
+MAX_SPLITS = 64
+# Cost model of a launch, least-squares fit to the forced-split sweeps of the H200 decode benchmark
+# (results/attention.json, 2026-11-30: 18 cases, 1-16 splits; the model's pick was within 1% of the fastest
+# measured split summed over the cases, the earlier heuristic's 1.8x slower): microseconds a 32-key block a
+# wave of CTAs, a megabyte of split partials (written by the splits, read by the combine), and a launch.
+SPLIT_BLOCK_US, SPLIT_PARTIAL_US_PER_MB, SPLIT_LAUNCH_US = 5.41, 0.404, 6.6
+
+
+def split_cost_us(S: int, Hp: int, K: int, splits: int, bn: int = 32, sms: int = H200_SMS) -> float:
+    """Estimated microseconds of the attention with `splits` KV splits (and their combine)."""
+    ctas = S * max(Hp // HEADS, 1)
+    nblk = max(-(-K // bn), 1)
+    per_split = -(-nblk // max(splits, 1))
+    z = -(-nblk // per_split)                      # the splits the launcher really makes
+    waves = -(-ctas * z // sms)
+    partial_mb = z * S * Hp * 512 * 4 * 2 / 1e6 if z > 1 else 0.0
+    return SPLIT_BLOCK_US * waves * per_split + SPLIT_PARTIAL_US_PER_MB * partial_mb + SPLIT_LAUNCH_US
 
 
 def choose_splits(S: int, Hp: int, K: int, bn: int = 32, sms: int = H200_SMS) -> int:
-    """KV splits so that few tokens still fill the GPU (a heuristic, not tuned on a GPU yet).
-
-    One CTA per (token, 64 heads) is enough from about one wave on. Below, the index list is split, keeping
-    at least 4 blocks of bn keys a split, and at most K / 448 splits: each split writes and the combine
-    reads a 64 x 512 fp32 partial (256 KB both ways), which should not exceed the split's FP8 KV bytes
-    (584 a key)."""
-    ctas = S * max(Hp // HEADS, 1)
+    """KV splits with the least estimated time (split_cost_us): few tokens are split to fill the GPU,
+    while the partials' traffic and the extra waves keep a prefill whole. Ties go to fewer splits."""
     nblk = max(-(-K // bn), 1)
-    if ctas >= sms:
-        return 1
-    return max(1, min(-(-sms // ctas), nblk // 4, K // 448, 64))
+    return min(range(1, min(nblk, MAX_SPLITS) + 1), key=lambda z: (split_cost_us(S, Hp, K, z, bn, sms), z))
 
 
 def _prepare(q, idx, sink):
@@ -649,7 +659,7 @@ def _prepare(q, idx, sink):
 def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn):
     import torch
 
-    from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr
+    from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr, sm_count
     q, idx, sink, S, H, Hp = _prepare(q, idx, sink)
     K = idx.size(1)
     check_numel(q, idx)
@@ -657,7 +667,7 @@ def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn)
     if S == 0:
         return out[:, :H]
     nblk = max(-(-K // bn), 1)
-    Z = choose_splits(S, Hp, K, bn) if num_splits is None else max(1, min(int(num_splits), nblk))
+    Z = choose_splits(S, Hp, K, bn, sm_count(q.device)) if num_splits is None else max(1, min(int(num_splits), nblk))
     bps = -(-nblk // Z)
     Z = -(-nblk // bps)
     arch = device_arch(q.device)
