@@ -617,6 +617,7 @@ register(KernelDef("sparse_attn_combine", "attention", ("sm_90a", "sm_100a"), _b
 
 H200_SMS = 132
 MAX_SPLITS = 64
+MAX_PARTIAL_BYTES = 256 << 20                      # split partials' scratch [splits, S, Hp, 512] fp32
 # Cost model of a launch, least-squares fit to the forced-split sweeps of the H200 decode benchmark
 # (results/attention.json, 2026-11-30: 18 cases, 1-16 splits; the model's pick was within 1% of the fastest
 # measured split summed over the cases, the earlier heuristic's 1.8x slower): microseconds a 32-key block a
@@ -637,9 +638,15 @@ def split_cost_us(S: int, Hp: int, K: int, splits: int, bn: int = 32, sms: int =
 
 def choose_splits(S: int, Hp: int, K: int, bn: int = 32, sms: int = H200_SMS) -> int:
     """KV splits with the least estimated time (split_cost_us): few tokens are split to fill the GPU,
-    while the partials' traffic and the extra waves keep a prefill whole. Ties go to fewer splits."""
+    while the partials' traffic and the extra waves keep a prefill whole. Ties go to fewer splits. From a
+    full wave of CTAs on the launch stays whole (the sweeps measured less; splitting there only trims the
+    last wave), and the fp32 partials stay under MAX_PARTIAL_BYTES."""
+    ctas = S * max(Hp // HEADS, 1)
+    if ctas >= sms:
+        return 1
     nblk = max(-(-K // bn), 1)
-    return min(range(1, min(nblk, MAX_SPLITS) + 1), key=lambda z: (split_cost_us(S, Hp, K, z, bn, sms), z))
+    most = min(nblk, MAX_SPLITS, max(1, MAX_PARTIAL_BYTES // (S * Hp * 512 * 4)))
+    return min(range(1, most + 1), key=lambda z: (split_cost_us(S, Hp, K, z, bn, sms), z))
 
 
 def _prepare(q, idx, sink):
