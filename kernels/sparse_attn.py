@@ -625,12 +625,16 @@ MAX_PARTIAL_BYTES = 256 << 20                      # split partials' scratch [sp
 SPLIT_BLOCK_US, SPLIT_PARTIAL_US_PER_MB, SPLIT_LAUNCH_US = 5.41, 0.404, 6.6
 
 
+def split_blocks(nblk: int, splits: int) -> tuple[int, int]:
+    """(blocks a split, splits) for `splits` requested: equal splits of whole blocks, so fewer may result."""
+    per_split = -(-nblk // max(splits, 1))
+    return per_split, -(-nblk // per_split)
+
+
 def split_cost_us(S: int, Hp: int, K: int, splits: int, bn: int = 32, sms: int = H200_SMS) -> float:
     """Estimated microseconds of the attention with `splits` KV splits (and their combine)."""
     ctas = S * max(Hp // HEADS, 1)
-    nblk = max(-(-K // bn), 1)
-    per_split = -(-nblk // max(splits, 1))
-    z = -(-nblk // per_split)                      # the splits the launcher really makes
+    per_split, z = split_blocks(max(-(-K // bn), 1), splits)
     waves = -(-ctas * z // sms)
     partial_mb = z * S * Hp * 512 * 4 * 2 / 1e6 if z > 1 else 0.0
     return SPLIT_BLOCK_US * waves * per_split + SPLIT_PARTIAL_US_PER_MB * partial_mb + SPLIT_LAUNCH_US
@@ -675,8 +679,7 @@ def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn)
         return out[:, :H]
     nblk = max(-(-K // bn), 1)
     Z = choose_splits(S, Hp, K, bn, sm_count(q.device)) if num_splits is None else max(1, min(int(num_splits), nblk))
-    bps = -(-nblk // Z)
-    Z = -(-nblk // bps)
+    bps, Z = split_blocks(nblk, Z)
     arch = device_arch(q.device)
     word = Int64 if kv_fmt == "fp8" else BFloat16
     al = 8 if kv_fmt == "fp8" else 16
@@ -786,7 +789,7 @@ def emulate(q, rows_of, idx, sink, scale: float, bn: int = 32, num_splits: int =
     S, H, d = q.shape
     K = idx.size(1)
     nblk = max(-(-K // bn), 1)
-    bps = -(-nblk // num_splits)
+    bps, nz = split_blocks(nblk, num_splits)
     dev = q.device
     sl2 = torch.tensor(scale * LOG2E, dtype=torch.float32, device=dev)
     qf = q.float()
@@ -794,7 +797,6 @@ def emulate(q, rows_of, idx, sink, scale: float, bn: int = 32, num_splits: int =
     zero = torch.zeros((), device=dev)
     ninf = torch.full((), float("-inf"), device=dev)
     parts, lses = [], []
-    nz = -(-nblk // bps)
     for z in range(nz):
         m = torch.full((S, H), float("-inf"), device=dev)
         lsum = torch.zeros(S, H, device=dev)
