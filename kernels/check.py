@@ -221,7 +221,7 @@ def compiled(fn):
 
 
 def bench(kernel: Callable[[int], Any], baselines: dict[str, Callable[[int], Any]], nbytes: int, nsets: int,
-          copy_gbps: float | None) -> dict[str, Any]:
+          copy_gbps: float | None, device: torch.device) -> dict[str, Any]:
     res: dict[str, Any] = {"bytes": nbytes, "sets": nsets}
     k = time_fn(kernel, nsets)
     res["kernel"] = k
@@ -240,7 +240,20 @@ def bench(kernel: Callable[[int], Any], baselines: dict[str, Callable[[int], Any
     res["GBps"] = nbytes / k["us"] / 1e3
     if copy_gbps:
         res["of_copy"] = res["GBps"] / copy_gbps
+    res["copy_same_bytes"] = same_bytes_copy(nbytes, nsets, device)
+    res["of_copy_same_bytes"] = res["copy_same_bytes"]["us"] / k["us"]
     return res
+
+
+def same_bytes_copy(nbytes: int, nsets: int, device: torch.device) -> dict[str, Any]:
+    """A copy_ moving the kernel's own bytes (half read, half written), timed the same way over as many
+    buffer sets: the device's copy rate at that size. A few-MB kernel is bound by launch and ramp-up as much as
+    by bandwidth, and the 1 GiB copy's rate is out of reach for it; this says how far it is from a copy."""
+    half = max(nbytes // 2, 16)
+    src = [torch.empty(half, dtype=torch.uint8, device=device) for _ in range(nsets)]
+    dst = [torch.empty_like(t) for t in src]
+    t = time_fn(lambda i: dst[i].copy_(src[i]), nsets)
+    return {"us": t["us"], "mode": t["mode"], "GBps": 2 * half / t["us"] / 1e3}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -295,7 +308,7 @@ class Checker:
                 if name.startswith("eager") and getattr(fn, "_compilable", None) is not None:
                     base["compiled"] = fn._compilable
         copy = self.copy["GBps"] if self.copy else None
-        return lambda: bench(kernel, base, nbytes, self._sets, copy)
+        return lambda: bench(kernel, base, nbytes, self._sets, copy, self.dev)
 
     def sets(self, nbytes: int) -> int:
         self._sets = n_sets(nbytes) if self.do_bench else 1
@@ -696,7 +709,8 @@ def format_rows(doc: dict[str, Any]) -> list[str]:
         return "-" if v is None else (format(v, spec) if isinstance(v, float) else str(v))
     head = f"{'op':14s} {'case':26s} {'shape':20s} {'cos':>10s} {'max err':>9s} {'ulp':>6s} {'NaN':>4s} {'ok':4s}"
     if doc["bench"]:
-        head += f" {'kernel us':>10s} {'torch us':>10s} {'best torch':>12s} {'speedup':>8s} {'GB/s':>6s} {'%copy':>6s}"
+        head += (f" {'kernel us':>10s} {'torch us':>10s} {'best torch':>12s} {'speedup':>8s} {'GB/s':>6s} {'%copy':>6s}"
+                 f" {'%same':>6s}")
     lines = [head]
     for r in doc["rows"]:
         line = (f"{r['op']:14s} {r['case'][:26]:26s} {r['shape']:20s} {f(r['cos'], '.7f'):>10s} "
@@ -705,7 +719,8 @@ def format_rows(doc: dict[str, Any]) -> list[str]:
         if doc["bench"] and b.get("kernel"):
             line += (f" {f(b['kernel']['us'], '.1f'):>10s} {f(b.get('torch_best_us'), '.1f'):>10s} "
                      f"{b.get('torch_best', '-'):>12s} {f(b.get('speedup'), '.2f'):>8s} {f(b.get('GBps'), '.0f'):>6s} "
-                     f"{f(100 * b['of_copy'], '.0f') if b.get('of_copy') else '-':>6s}")
+                     f"{f(100 * b['of_copy'], '.0f') if b.get('of_copy') else '-':>6s} "
+                     f"{f(100 * b['of_copy_same_bytes'], '.0f') if b.get('of_copy_same_bytes') else '-':>6s}")
         elif doc["bench"] and b.get("error"):
             line += f" bench error: {b['error'][:80]}"
         lines.append(line)
@@ -715,7 +730,8 @@ def format_rows(doc: dict[str, Any]) -> list[str]:
             lines.append(f"{'':14s}   bar: {r['bar']}" + (f"; {r['note']}" if r.get("note") else "")
                          + (f"; mismatches {r['mismatches']}" if r.get("mismatches") else ""))
     if doc.get("copy_bandwidth"):
-        lines.append(f"device copy bandwidth (read + write): {doc['copy_bandwidth']['GBps']:.0f} GB/s")
+        lines.append(f"device copy bandwidth (read + write): {doc['copy_bandwidth']['GBps']:.0f} GB/s (%copy); "
+                     "%same: a copy_ of the kernel's own bytes, timed alike, over the kernel's time")
     return lines
 
 

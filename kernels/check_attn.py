@@ -297,7 +297,19 @@ def bench_case(p: dict, peaks: dict, reps: int = 20) -> dict[str, Any]:
     row["gbps"] = kv_bytes(p, "fp8") / t / 1e9
     row["pct_of_copy_bw"] = 100 * row["gbps"] / peaks["copy_gbps"]
     row["gbps_issued"] = kv_bytes(p, "fp8", per_head_group=True) / t / 1e9
+    row.update(roofline(fl, kv_bytes(p, "fp8"), t, peaks))
     return row
+
+
+def roofline(flop: float, nbytes: float, t: float, peaks: dict, copy_bar: float = 0.6) -> dict[str, float]:
+    """What the speed bars ask of a case. MQA attention does heads x 4 x 512 FLOP a 584-byte FP8 key, so with 64+
+    heads it is MMA-bound above ~200 FLOP/B: `tflops_for_copy_bar` is the MMA rate the decode bar (copy_bar of
+    the copy bandwidth on the KV bytes) implies, past cuBLAS' measured rate for Pro CSA. `roofline_s` is the
+    slower of the KV bytes at the copy rate and the FLOPs at cuBLAS' rate; `pct_of_roofline` the kernel's share."""
+    copy_s = nbytes / (peaks["copy_gbps"] * 1e9)
+    mma_s = flop / (peaks["cublas_bf16_tflops"] * 1e12)
+    return {"flop_per_byte": flop / nbytes, "tflops_for_copy_bar": flop / (copy_s / copy_bar) / 1e12,
+            "roofline_s": max(copy_s, mma_s), "pct_of_roofline": 100 * max(copy_s, mma_s) / t}
 
 
 

@@ -233,6 +233,23 @@ def test_split_cost_model_ranks_the_measured_decode_sweeps():
     assert pick_sum <= 1.02 * best_sum
 
 
+def test_roofline_of_the_speed_bars():
+    """Pro decode does 128 heads x 4 x 512 FLOP a 584-byte FP8 key (449 FLOP/B): 60% of a 4.19 TB/s copy on its
+    KV bytes asks 1129 TFLOP/s, more than the 989 TFLOP/s bf16 spec; Flash's 64 heads ask half. A kernel that
+    runs at the slower of the two limits is at 100% of the roofline."""
+    from dsv4_kernels.check_attn import roofline
+    peaks = {"copy_gbps": 4190.0, "cublas_bf16_tflops": 770.0}
+    pro = roofline(128 * 4 * 512, 584, 1.0, peaks)
+    assert pro["flop_per_byte"] == pytest.approx(448.9, abs=0.1)
+    assert pro["tflops_for_copy_bar"] == pytest.approx(0.6 * 4190 * 128 * 4 * 512 / 584 / 1000)
+    assert pro["tflops_for_copy_bar"] > 989
+    assert roofline(64 * 4 * 512, 584, 1.0, peaks)["tflops_for_copy_bar"] == pytest.approx(pro["tflops_for_copy_bar"] / 2)
+    fl, nb = 1e12, 1e9                               # MMA-bound: 1.30 ms of MMAs against 0.24 ms of copy
+    at_roof = roofline(fl, nb, fl / 770e12, peaks)
+    assert at_roof["pct_of_roofline"] == pytest.approx(100.0)
+    assert roofline(fl, nb, 2 * fl / 770e12, peaks)["pct_of_roofline"] == pytest.approx(50.0)
+
+
 def test_paged_glue_with_torch_stand_ins(monkeypatch):
     """sparse_attn_paged (the kernels backend's op): paging of window and compressed rows, slot translation,
     skipped ids; the two kernels replaced by torch stand-ins (reference_pack, emulate)."""

@@ -102,6 +102,7 @@ def test_bench_paths_dry_run_on_cpu(torch_kernels, monkeypatch):
     for r in benched:
         assert not any("error" in b for b in r["bench"]["baselines"].values()), (r["case"], r["bench"])
         assert r["bench"]["speedup"] > 0 and "compiled" in r["bench"]["baselines"]
+        assert r["bench"]["of_copy_same_bytes"] > 0 and r["bench"]["copy_same_bytes"]["mode"] == "fake"
     assert len(benched) >= 16
     assert any("% copy" in line or "%copy" in line for line in check.format_rows(doc))
 

@@ -154,7 +154,7 @@ def print_table(doc: dict) -> None:
                     f"torch {env['torch']}, CuTeDSL {env['cutedsl']}")
     cols = ["op", "case", "shape", "cos", "max err", "ulp", "NaN", "bar", "result"]
     if doc["bench"]:
-        cols += ["kernel us", "torch best us", "speedup", "GB/s", "% copy"]
+        cols += ["kernel us", "torch best us", "speedup", "GB/s", "% copy", "% same-size copy"]
     for c in cols:
         t.add_column(c)
     for r in doc["rows"]:
@@ -168,11 +168,13 @@ def print_table(doc: dict) -> None:
             cells += [_fmt(k.get("us"), ".1f"),
                       (_fmt(b.get("torch_best_us"), ".1f") + f" ({b['torch_best']})") if b.get("torch_best") else "-",
                       _fmt(b.get("speedup"), ".2f"), _fmt(b.get("GBps"), ".0f"),
-                      _fmt(100 * b["of_copy"], ".0f") if b.get("of_copy") else "-"]
+                      _fmt(100 * b["of_copy"], ".0f") if b.get("of_copy") else "-",
+                      _fmt(100 * b["of_copy_same_bytes"], ".0f") if b.get("of_copy_same_bytes") else "-"]
         t.add_row(*cells)
     out.print(t)
     if doc.get("copy_bandwidth"):
-        out.print(f"device copy bandwidth (read + write): {doc['copy_bandwidth']['GBps']:.0f} GB/s")
+        out.print(f"device copy bandwidth (read + write): {doc['copy_bandwidth']['GBps']:.0f} GB/s (% copy); "
+                  "% same-size copy: a copy_ of the kernel's own bytes, timed alike, over the kernel's time")
 
 
 def register(app_root: typer.Typer) -> None:
