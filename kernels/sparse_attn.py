@@ -616,11 +616,15 @@ register(KernelDef("sparse_attn_combine", "attention", ("sm_90a", "sm_100a"), _b
 # --------------------------------------------------------------------------------------------------------
 
 H200_SMS = 132
-MAX_SPLITS = 64
+# The sweeps timed 1-16 splits; past that the model's picks measured slower (H100, 2026-12-05: one-token Pro CSA
+# 38.8 us at 36 one-block splits, 26.4 us at 12 splits of 3 blocks; Flash CSA 25.1 at 20 vs 20.9 at 10): a
+# split's fixed cost (Q load, pipeline fill, partial store) is not in the model, so it stays in the range fit.
+MAX_SPLITS = 16
 MAX_PARTIAL_BYTES = 256 << 20                      # split partials' scratch [splits, S, Hp, 512] fp32
 # Cost model of a launch, least-squares fit to the forced-split sweeps of the H200 decode benchmark
 # (results/attention.json, 2026-11-30: 18 cases, 1-16 splits; the model's pick was within 1% of the fastest
-# measured split summed over the cases, the earlier heuristic's 1.8x slower): microseconds a 32-key block a
+# measured split summed over the cases, the earlier heuristic's 1.8x slower; on the H100 sweeps of 2026-12-05,
+# after the producer fixes, within 1% in every case): microseconds a 32-key block a
 # wave of CTAs, a megabyte of split partials (written by the splits, read by the combine), and a launch.
 SPLIT_BLOCK_US, SPLIT_PARTIAL_US_PER_MB, SPLIT_LAUNCH_US = 5.41, 0.404, 6.6
 
