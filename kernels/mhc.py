@@ -54,11 +54,21 @@ def mix_lane_values(nmix: int) -> int:
     return -(-(MIX_MTILES * (4 * -(-nmix // 8) + 2)) // 4) * 4
 
 
-def mix_parts(S: int, K: int, sms: int) -> int:
-    """K parts of hc_mix: halve the parts' K range until the grid fills two CTAs an SM (shared memory allows
-    two), at most MAX_PARTS."""
+def mix_stage_bytes(nmix: int) -> int:
+    """Shared memory of one hc_mix pipeline stage: the CTA's x chunk and fn's rows of it."""
+    return MIX_TOKENS * CHUNK * 2 + nmix * FN_ROW * 4
+
+
+def mix_ctas_per_sm(nmix: int, stages: int) -> int:
+    """CTAs an SM holds by shared memory (227 KB on sm_90a), at most 4."""
+    return max(1, min(4, (227 << 10) // (stages * mix_stage_bytes(nmix) + 1024)))
+
+
+def mix_parts(S: int, K: int, sms: int, per_sm: int = 2) -> int:
+    """K parts of hc_mix: halve the parts' K range until the grid fills `per_sm` CTAs an SM (what shared
+    memory allows), at most MAX_PARTS."""
     ctas, nchunks, parts = -(-S // MIX_TOKENS), K // CHUNK, 1
-    while 2 * parts <= MAX_PARTS and nchunks % (2 * parts) == 0 and ctas * 2 * parts <= 2 * sms:
+    while 2 * parts <= MAX_PARTS and nchunks % (2 * parts) == 0 and ctas * 2 * parts <= per_sm * sms:
         parts *= 2
     return parts
 
@@ -93,13 +103,15 @@ class HcMix:
     (rows g, g + 1, pieces q) hit distinct banks. Sums of squares come from the same x words.
     """
 
-    def __init__(self, K: int, nmix: int = 24, parts: int = 1):
+    def __init__(self, K: int, nmix: int = 24, parts: int = 1, stages: int = STAGES):
         nchunks = K // CHUNK
         if K % CHUNK or nchunks % parts:
             raise ValueError(f"hc_mix: K={K} must be a multiple of {CHUNK} chunks split into {parts} parts")
         if not 1 <= parts <= MAX_PARTS:
             raise ValueError(f"hc_mix: parts must be in [1, {MAX_PARTS}]")
-        self.K, self.nmix, self.parts = K, nmix, parts
+        if stages < 2:
+            raise ValueError("hc_mix: at least 2 pipeline stages")
+        self.K, self.nmix, self.parts, self.stages = K, nmix, parts, stages
         self.nt = -(-nmix // 8)                           # 8-column MMA tiles
         self.cpp = nchunks // parts                       # chunks of one part
         self.threads = 32 * MIX_WARPS
@@ -112,8 +124,8 @@ class HcMix:
 
         @cute.struct
         class Storage:
-            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, STAGES * MIX_TOKENS * CHUNK], 128]
-            sF: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * self.nmix * FN_ROW], 128]
+            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, self.stages * MIX_TOKENS * CHUNK], 128]
+            sF: cute.struct.Align[cute.struct.MemRange[Float32, self.stages * self.nmix * FN_ROW], 128]
 
         self.storage = Storage
         self.kernel(x_ptr, fn_ptr, mO, ws_ptr, ticket_ptr, S, eps).launch(
@@ -198,18 +210,18 @@ class HcMix:
         acc.fill(0.0)
         ss = cute.make_rmem_tensor((MIX_MTILES * 2,), Float32)
         ss.fill(0.0)
-        for i in cutlass.range_constexpr(STAGES - 1):
+        for i in cutlass.range_constexpr(self.stages - 1):
             if const_expr(i < self.cpp):
                 self.load_stage(x_ptr, fn_ptr, sx, sf, tidx, S, tok0, c0 + i, i)
             cute.arch.cp_async_commit_group()
         for c in cutlass.range(self.cpp):
-            cute.arch.cp_async_wait_group(STAGES - 2)      # chunk c has landed (this thread's pieces)
-            cute.arch.barrier()                            # ... everyone's; and stage (c - 1) % STAGES is free
-            if c + STAGES - 1 < self.cpp:
-                nxt = c + STAGES - 1
-                self.load_stage(x_ptr, fn_ptr, sx, sf, tidx, S, tok0, c0 + nxt, nxt % STAGES)
+            cute.arch.cp_async_wait_group(self.stages - 2)  # chunk c has landed (this thread's pieces)
+            cute.arch.barrier()                            # ... everyone's; and stage (c - 1) % stages is free
+            if c + self.stages - 1 < self.cpp:
+                nxt = c + self.stages - 1
+                self.load_stage(x_ptr, fn_ptr, sx, sf, tidx, S, tok0, c0 + nxt, nxt % self.stages)
             cute.arch.cp_async_commit_group()
-            self.compute_stage(sx, sf, c % STAGES, warp, g, q, acc, ss)
+            self.compute_stage(sx, sf, c % self.stages, warp, g, q, acc, ss)
         cute.arch.cp_async_wait_group(0)
 
         # ---- K parts: summed in part order by the warp that completes the 32-token tile
@@ -406,8 +418,8 @@ class HcPost:
                 cute.autovec_copy(rO, mO[None, v, k, tok])
 
 
-def _build_mix(K: int, nmix: int = 24, parts: int = 1):
-    return HcMix(K, nmix, parts), (fake_ptr(BFloat16), fake_ptr(Float32), fake_ptr(Float32, 4), fake_ptr(Float32),
+def _build_mix(K: int, nmix: int = 24, parts: int = 1, stages: int = STAGES):
+    return HcMix(K, nmix, parts, stages), (fake_ptr(BFloat16), fake_ptr(Float32), fake_ptr(Float32, 4), fake_ptr(Float32),
                                    fake_ptr(Int32, 4), Int32(1), Float32(1e-6), fake_stream())
 
 
@@ -439,8 +451,9 @@ register(KernelDef("hc_post", "mhc", BOTH, _build_post, configs=({"D": 7168, "M"
 # Launchers
 # --------------------------------------------------------------------------------------------------------
 
-def hc_mixes(x, fn, eps: float, parts: int | None = None):
-    """x [S, M, D] bf16, fn [(2+M)M, M*D] -> mixes fp32 [S, (2+M)M]; K in `parts` (default: mix_parts)."""
+def hc_mixes(x, fn, eps: float, parts: int | None = None, stages: int = STAGES):
+    """x [S, M, D] bf16, fn [(2+M)M, M*D] -> mixes fp32 [S, (2+M)M]; K in `parts` (default: mix_parts for
+    the CTAs an SM that `stages` leave room for). The stages change only the buffering, not a result bit."""
     import torch
     x = x.contiguous()
     S = x.size(0)
@@ -450,8 +463,8 @@ def hc_mixes(x, fn, eps: float, parts: int | None = None):
     out = torch.empty(S, nmix, dtype=torch.float32, device=x.device)
     check_numel(x)
     if S:
-        parts = parts or mix_parts(S, K, sm_count(x.device))
-        f = compile_kernel("hc_mix", device_arch(x.device), K=K, nmix=nmix, parts=parts)
+        parts = parts or mix_parts(S, K, sm_count(x.device), mix_ctas_per_sm(nmix, stages))
+        f = compile_kernel("hc_mix", device_arch(x.device), K=K, nmix=nmix, parts=parts, stages=stages)
         tiles = -(-S // MIX_TOKENS) * MIX_WARPS
         ws = scratch("hc_mix_partials", x.device, tiles * parts * 32 * mix_lane_values(nmix), torch.float32)
         tickets = scratch("hc_mix_tickets", x.device, tiles, torch.int32)
