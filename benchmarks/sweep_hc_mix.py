@@ -14,7 +14,6 @@ from pathlib import Path
 
 def main() -> int:
     import torch
-
     from dsv4_kernels import mhc
     from dsv4_kernels._common import sm_count
     from dsv4_kernels.check import copy_bandwidth, environment, same_bytes_copy, time_fn
@@ -39,7 +38,7 @@ def main() -> int:
             for parts in sorted({auto, 4, 8, 16}):
                 want = mhc.hc_mixes(xs[0], fn, 1e-6, parts=parts)
                 got = mhc.hc_mixes(xs[0], fn, 1e-6, parts=parts, stages=stages)
-                t = time_fn(lambda i, p=parts, st=stages: mhc.hc_mixes(xs[i], fn, 1e-6, parts=p, stages=st), 2)
+                t = time_fn(lambda i, w=fn, p=parts, st=stages: mhc.hc_mixes(xs[i], w, 1e-6, parts=p, stages=st), 2)
                 row = {"nmix": nmix, "stages": stages, "ctas_per_sm": per_sm, "parts": parts, "auto": parts == auto,
                        "us": t["us"], "mode": t["mode"], "GBps": nbytes / t["us"] / 1e3,
                        "of_copy": nbytes / t["us"] / 1e3 / copy["GBps"], "of_same_size_copy": same["us"] / t["us"],
