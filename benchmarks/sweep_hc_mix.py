@@ -33,18 +33,17 @@ def main() -> int:
         nbytes = xs[0].numel() * 2 + fn.numel() * 4 + S * nmix * 4
         same = same_bytes_copy(nbytes, 2, xs[0].device)
         for stages in (2, 3, 4, 5):
-            per_sm = mhc.mix_ctas_per_sm(nmix, stages)
-            auto = mhc.mix_parts(S, M * D, sms, per_sm)
+            auto = mhc.mix_parts(S, M * D, sms)
             for parts in sorted({auto, 4, 8, 16}):
                 want = mhc.hc_mixes(xs[0], fn, 1e-6, parts=parts)
                 got = mhc.hc_mixes(xs[0], fn, 1e-6, parts=parts, stages=stages)
                 t = time_fn(lambda i, w=fn, p=parts, st=stages: mhc.hc_mixes(xs[i], w, 1e-6, parts=p, stages=st), 2)
-                row = {"nmix": nmix, "stages": stages, "ctas_per_sm": per_sm, "parts": parts, "auto": parts == auto,
+                row = {"nmix": nmix, "stages": stages, "parts": parts, "auto": parts == auto,
                        "us": t["us"], "mode": t["mode"], "GBps": nbytes / t["us"] / 1e3,
                        "of_copy": nbytes / t["us"] / 1e3 / copy["GBps"], "of_same_size_copy": same["us"] / t["us"],
                        "bit_identical_to_4_stages": bool(torch.equal(got, want))}
                 rows.append(row)
-                print(f"nmix {nmix:2d} stages {stages} ({per_sm}/SM) parts {parts:2d}{'*' if row['auto'] else ' '} "
+                print(f"nmix {nmix:2d} stages {stages} parts {parts:2d}{'*' if row['auto'] else ' '} "
                       f"{t['us']:7.1f} us {row['GBps']:6.0f} GB/s {100 * row['of_copy']:4.0f}% copy "
                       f"{100 * row['of_same_size_copy']:4.0f}% same-size  identical={row['bit_identical_to_4_stages']}",
                       flush=True)

@@ -54,23 +54,15 @@ def mix_lane_values(nmix: int) -> int:
     return -(-(MIX_MTILES * (4 * -(-nmix // 8) + 2)) // 4) * 4
 
 
-def mix_stage_bytes(nmix: int) -> int:
-    """Shared memory of one hc_mix pipeline stage: the CTA's x chunk and fn's rows of it."""
-    return MIX_TOKENS * CHUNK * 2 + nmix * FN_ROW * 4
-
-
-def mix_ctas_per_sm(nmix: int, stages: int) -> int:
-    """CTAs an SM holds by shared memory (227 KB on sm_90a), at most 4."""
-    return max(1, min(4, (227 << 10) // (stages * mix_stage_bytes(nmix) + 1024)))
-
-
-def mix_parts(S: int, K: int, sms: int, per_sm: int = 2) -> int:
-    """K parts of hc_mix: halve the parts' K range until the grid fills `per_sm` CTAs an SM (what shared
-    memory allows), at most MAX_PARTS."""
+def mix_parts(S: int, K: int, sms: int) -> int:
+    """K parts of hc_mix: halve the parts' K range while the grid stays within one CTA an SM, at most MAX_PARTS.
+    H100 sweep at Pro shapes (results/hc-mix-sweep-h100-2026-12-05.json): 4 parts (128 CTAs) 94.7 us, 8 parts
+    (two CTAs an SM, the earlier rule) 102.9, 16 parts 119.9 for 24 mixes; 87.7 / 90.3 / 104.0 us for 4 mixes:
+    more parts add partials and tail, not bandwidth. The pipeline depth mattered less (2-5 stages within 15%)."""
     ctas, nchunks, parts = -(-S // MIX_TOKENS), K // CHUNK, 1
-    while 2 * parts <= MAX_PARTS and nchunks % (2 * parts) == 0 and ctas * 2 * parts <= per_sm * sms:
+    while 2 * parts <= MAX_PARTS and nchunks % (2 * parts) == 0 and ctas * 2 * parts <= sms:
         parts *= 2
-    return parts
+    return max(parts, 1)
 
 
 def split_bf16x2(f0: Uint32, f1: Uint32):
@@ -452,8 +444,8 @@ register(KernelDef("hc_post", "mhc", BOTH, _build_post, configs=({"D": 7168, "M"
 # --------------------------------------------------------------------------------------------------------
 
 def hc_mixes(x, fn, eps: float, parts: int | None = None, stages: int = STAGES):
-    """x [S, M, D] bf16, fn [(2+M)M, M*D] -> mixes fp32 [S, (2+M)M]; K in `parts` (default: mix_parts for
-    the CTAs an SM that `stages` leave room for). The stages change only the buffering, not a result bit."""
+    """x [S, M, D] bf16, fn [(2+M)M, M*D] -> mixes fp32 [S, (2+M)M]; K in `parts` (default: mix_parts).
+    The pipeline's stages change only the buffering, not a result bit."""
     import torch
     x = x.contiguous()
     S = x.size(0)
@@ -463,7 +455,7 @@ def hc_mixes(x, fn, eps: float, parts: int | None = None, stages: int = STAGES):
     out = torch.empty(S, nmix, dtype=torch.float32, device=x.device)
     check_numel(x)
     if S:
-        parts = parts or mix_parts(S, K, sm_count(x.device), mix_ctas_per_sm(nmix, stages))
+        parts = parts or mix_parts(S, K, sm_count(x.device))
         f = compile_kernel("hc_mix", device_arch(x.device), K=K, nmix=nmix, parts=parts, stages=stages)
         tiles = -(-S // MIX_TOKENS) * MIX_WARPS
         ws = scratch("hc_mix_partials", x.device, tiles * parts * 32 * mix_lane_values(nmix), torch.float32)
