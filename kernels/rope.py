@@ -92,8 +92,8 @@ class Rope:
                 cute.autovec_copy(rO[None, u], mO[None, t, row])
 
 
-def _build(d: int = 512, r: int = 64, inverse: bool = False, inplace: bool = False):
-    k = Rope(d, r, inverse, inplace)
+def _build(d: int = 512, r: int = 64, inverse: bool = False, inplace: bool = False, unroll: int = 2):
+    k = Rope(d, r, inverse, inplace, unroll)
     return k, (fake_ptr(BFloat16), fake_ptr(Float32), fake_ptr(BFloat16), Int32(1), Int32(1), fake_stream())
 
 
@@ -117,7 +117,7 @@ def cos_sin(freqs):
     return torch.view_as_real(freqs).contiguous()
 
 
-def _launch(x, freqs, inverse: bool, out):
+def _launch(x, freqs, inverse: bool, out, unroll: int = 2):
     import torch
     if x.dtype != torch.bfloat16:
         raise ValueError(f"rope kernel takes bf16 activations, not {x.dtype}")
@@ -133,7 +133,7 @@ def _launch(x, freqs, inverse: bool, out):
     if rows == 0:
         return out
     cs = cos_sin(freqs.to(x.device)[:S])
-    fn = compile_kernel("rope", device_arch(x.device), d=d, r=r, inverse=inverse, inplace=out is x)
+    fn = compile_kernel("rope", device_arch(x.device), d=d, r=r, inverse=inverse, inplace=out is x, unroll=unroll)
     fn(ptr(x), ptr(cs), ptr(out), Int32(rows), Int32(H), current_stream())
     return out
 
@@ -145,6 +145,6 @@ def rope(x, freqs, inverse: bool = False, out=None):
     return _launch(x, freqs, inverse, torch.empty_like(x) if out is None else out)
 
 
-def rope_(x, freqs, inverse: bool = False):
-    """In place: rotate the last r dims of the contiguous bf16 x."""
-    return _launch(x, freqs, inverse, x)
+def rope_(x, freqs, inverse: bool = False, unroll: int = 2):
+    """In place: rotate the last r dims of the contiguous bf16 x (`unroll` rows a thread)."""
+    return _launch(x, freqs, inverse, x, unroll)
