@@ -26,14 +26,13 @@ def main() -> int:
     S, M, D = args.tokens, 4, 7168
     xs = [torch.randn(S, M, D, device="cuda").bfloat16() for _ in range(2)]
     copy = copy_bandwidth()
-    sms = sm_count(xs[0].device)
+    auto = mhc.mix_parts(S, M * D, sm_count(xs[0].device))
     rows = []
     for nmix in (24, 4):
         fn = torch.randn(nmix, M * D, device="cuda") * 1e-2
         nbytes = xs[0].numel() * 2 + fn.numel() * 4 + S * nmix * 4
         same = same_bytes_copy(nbytes, 2, xs[0].device)
         for stages in (2, 3, 4, 5):
-            auto = mhc.mix_parts(S, M * D, sms)
             for parts in sorted({auto, 4, 8, 16}):
                 want = mhc.hc_mixes(xs[0], fn, 1e-6, parts=parts)
                 got = mhc.hc_mixes(xs[0], fn, 1e-6, parts=parts, stages=stages)

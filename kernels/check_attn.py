@@ -294,10 +294,11 @@ def bench_case(p: dict, peaks: dict, reps: int = 20) -> dict[str, Any]:
     row["tflops"] = fl / t / 1e12
     row["pct_of_cublas_bf16"] = 100 * row["tflops"] / peaks["cublas_bf16_tflops"]
     row["pct_of_spec_bf16"] = 100 * row["tflops"] / peaks["spec_bf16_dense_tflops"]
-    row["gbps"] = kv_bytes(p, "fp8") / t / 1e9
+    nbytes = kv_bytes(p, "fp8")
+    row["gbps"] = nbytes / t / 1e9
     row["pct_of_copy_bw"] = 100 * row["gbps"] / peaks["copy_gbps"]
     row["gbps_issued"] = kv_bytes(p, "fp8", per_head_group=True) / t / 1e9
-    row.update(roofline(fl, kv_bytes(p, "fp8"), t, peaks))
+    row.update(roofline(fl, nbytes, t, peaks))
     return row
 
 

@@ -62,7 +62,7 @@ def mix_parts(S: int, K: int, sms: int) -> int:
     ctas, nchunks, parts = -(-S // MIX_TOKENS), K // CHUNK, 1
     while 2 * parts <= MAX_PARTS and nchunks % (2 * parts) == 0 and ctas * 2 * parts <= sms:
         parts *= 2
-    return max(parts, 1)
+    return parts
 
 
 def split_bf16x2(f0: Uint32, f1: Uint32):
