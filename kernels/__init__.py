@@ -7,7 +7,8 @@
     mhc        mHC pre (mixes, sigmoid, softmax + Sinkhorn, weighted stream sum) and post
     gemm_fp8   FP8 block-scaled linear (per-1x128 activation quantiser, WGMMA, split-K, clusters; sm_90a)
     gemm_w4a16 NVFP4 W4A16 linear: the WGMMA GEMM (dense, grouped MoE with SwiGLU; sm_90a) and the decode
-               kernel (mma.sync, M <= 16); weights repacked by w4_pack, MoE routing glue in moe
+               kernel (mma.sync, M <= 16); weights repacked by w4_pack
+    moe        MoE routing glue around the grouped W4A16 GEMMs and the combine (gather-sum in expert order)
     sparse_attn  MQA sparse attention with sinks over gathered FP8-cache / bf16 rows (WGMMA, sm_90a)
     indexer    lightning indexer scores (WGMMA, sm_90a) and causal top-k (radix select)
     compressor KV compressor pooling (ratio 4 overlapping / 128), RMSNorm, RoPE, FP8 or Hadamard + FP4 QAT
@@ -18,7 +19,7 @@ Each module registers its kernels (name, family, target archs, representative co
 Importing this package does not import CuTeDSL; importing a family module does.
 """
 FAMILY_MODULES = ("norm", "rope", "nvfp4", "kv_cache", "mhc", "gemm_fp8", "gemm_w4a16", "sparse_attn", "indexer", "compressor",
-                  "stats")
+                  "stats", "moe")
 
 
 def load_all():

@@ -6,7 +6,8 @@ GEMM's epilogue.
     x_s    = x[plan.tok]                                   # rows grouped by expert
     h      = W4A16_grouped(x_s, W13)  -> swiglu epilogue   # [P, I]   (w1/w3 rows interleaved by 8)
     y_s    = W4A16_grouped(h, W2)                          # [P, D]
-    y      = sum over each token's experts in expert order (fp32), as dsv4_references.moe.moe_combine
+    y      = MoeGatherSum(y_s)                             # [T, D] fp32: each token's k rows summed in
+                                                           # expert order, as dsv4_references.moe.moe_combine
 
 The work units (expert, first row, rows) are computed from the routing with torch ops on the device; the
 grid is sized by the static bound ceil(P / chunk) + E, and units past the real count exit at once, so the
@@ -19,9 +20,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cutlass
 import torch
+from cutlass import BFloat16, Float32, Int32, cute
 
 from . import w4_pack
+from ._common import (
+    BOTH,
+    KernelDef,
+    check_numel,
+    compile_kernel,
+    current_stream,
+    device_arch,
+    fake_ptr,
+    fake_stream,
+    ptr,
+    register,
+    row_geometry,
+)
 from .gemm_w4a16 import w4a16_launch
 
 
@@ -54,6 +70,72 @@ def route_plan(topk_ids: torch.Tensor, n_experts: int, chunk: int) -> RoutePlan:
     units = torch.stack([e, row0, cnt], dim=1).to(torch.int32).contiguous()
     ucount = ucum[-1:].to(torch.int32)
     return RoutePlan(tok, order, units, ucount, chunk)
+
+
+class MoeGatherSum:
+    """y[t] = sum_j rows[src[t * k + j]] for j = 0..k-1 in that order, fp32; rows bf16 [P, d], src int32 [T * k].
+
+    The combine of the grouped layer: each token's k expert rows are gathered from the expert-sorted output
+    and summed in one pass (16-byte loads, all k rows of a thread in flight), instead of a permuting copy and k
+    fp32 read-modify-write passes over [T, d] (~3.6 GB of traffic at Pro's 4096 tokens, ~10% of the layer).
+    Starting from zero and adding in slot order gives the bits of the torch loop `y += yt[:, j].float()`."""
+
+    def __init__(self, d: int, k: int):
+        if d % 8:
+            raise ValueError(f"moe gather-sum row width {d} must be a multiple of 8")
+        self.d, self.k = d, k
+        self.tpr, self.nv = row_geometry(d // 8, max_threads=128)
+
+    @cute.jit
+    def __call__(self, rows_ptr: cute.Pointer, src_ptr: cute.Pointer, y_ptr: cute.Pointer, P: Int32, T: Int32,
+                 stream):
+        def rows_of(p, n):      # [8, thread, vector, row]: a thread's vectors of a row
+            return cute.make_tensor(p, cute.make_layout((8, self.tpr, self.nv, n),
+                                                        stride=(1, 8, 8 * self.tpr, self.d)))
+        mSrc = cute.make_tensor(src_ptr, cute.make_layout((self.k, T), stride=(1, self.k)))
+        self.kernel(rows_of(rows_ptr, P), mSrc, rows_of(y_ptr, T)).launch(
+            grid=[T, 1, 1], block=[self.tpr, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mRows: cute.Tensor, mSrc: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        tok, _, _ = cute.arch.block_idx()
+        got = []
+        for j in cutlass.range_constexpr(self.k):
+            r = cute.make_rmem_tensor((8, self.nv), BFloat16)
+            cute.autovec_copy(mRows[None, tidx, None, mSrc[j, tok]], r)
+            got.append(r)
+        acc = cute.make_rmem_tensor((8, self.nv), Float32)
+        acc.fill(0.0)
+        for j in cutlass.range_constexpr(self.k):
+            acc.store(acc.load() + got[j].load().to(Float32))
+        cute.autovec_copy(acc, mY[None, tidx, None, tok])
+
+
+def _build_gather_sum(d: int, k: int):
+    return MoeGatherSum(d, k), (fake_ptr(BFloat16), fake_ptr(Int32, 4), fake_ptr(Float32), Int32(1), Int32(1),
+                                fake_stream())
+
+
+register(KernelDef("moe_gather_sum", "experts", BOTH, _build_gather_sum,
+                   configs=({"d": 7168, "k": 6}, {"d": 4096, "k": 6}),
+                   doc="MoE combine: each token's top-k expert rows gathered and summed in expert order, fp32"))
+
+
+def gather_sum(rows: torch.Tensor, src: torch.Tensor, k: int) -> torch.Tensor:
+    """rows bf16 [P, d], src [T * k] row of each (token, slot) -> fp32 [T, d] (MoeGatherSum)."""
+    if rows.dtype != torch.bfloat16:
+        raise ValueError(f"moe gather-sum takes bf16 rows, not {rows.dtype}")
+    rows = rows.contiguous()
+    src = src.to(torch.int32).contiguous()
+    P, d = rows.shape
+    T = src.numel() // k
+    check_numel(rows)
+    y = torch.empty(T, d, dtype=torch.float32, device=rows.device)
+    if T:
+        fn = compile_kernel("moe_gather_sum", device_arch(rows.device), d=d, k=k)
+        fn(ptr(rows), ptr(src, align=4), ptr(y), Int32(P), Int32(T), current_stream())
+    return y
 
 
 def pick_grouped_config(pairs: int, n_experts: int, widths: tuple[int, ...] = ()) -> dict:
@@ -89,13 +171,9 @@ def moe_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, w1
     if cfg2["n_tok"] * cfg2.get("t_max", 1) != plan.chunk:
         raise ValueError("both grouped GEMMs of a layer use the same work units (same n_tok * t_max)")
     ys = w4a16_launch(h, w2, D, units=plan.units, unit_count=plan.ucount, grouped=True, **cfg2)
-    inv = torch.empty_like(plan.order)
-    inv[plan.order] = torch.arange(plan.order.numel(), device=x.device)
-    yt = ys.index_select(0, inv).view(T, k, D)
-    y = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    for j in range(k):
-        y += yt[:, j].float()
-    return y
+    src = torch.empty_like(plan.order, dtype=torch.int32)
+    src[plan.order] = torch.arange(plan.order.numel(), device=x.device, dtype=torch.int32)
+    return gather_sum(ys, src, k)
 
 
 def pack_expert(w1, w3, w2):

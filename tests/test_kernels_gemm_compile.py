@@ -23,7 +23,8 @@ from dsv4debug.formats import (
 )
 
 CI = ([("fp8_act_quant", {})] + [("fp8_block_gemm", c) for c in REGISTRY["fp8_block_gemm"].configs]
-      + [("w4a16_gemm", c) for c in REGISTRY["w4a16_gemm"].ci()] + [("w4a16_gemv", c) for c in REGISTRY["w4a16_gemv"].ci()])
+      + [("w4a16_gemm", c) for c in REGISTRY["w4a16_gemm"].ci()] + [("w4a16_gemv", c) for c in REGISTRY["w4a16_gemv"].ci()]
+      + [("moe_gather_sum", c) for c in REGISTRY["moe_gather_sum"].ci()])
 CI_ARCH = [(n, c, a) for n, c in CI for a in REGISTRY[n].archs]
 
 
@@ -295,6 +296,7 @@ def _experts(E, D, I, g):
 def test_moe_glue_matches_reference_experts(monkeypatch, cfg):
     import dsv4_references as ref
     monkeypatch.setattr(moe, "w4a16_launch", w4_pack.emulate_gemm)
+    monkeypatch.setattr(moe, "gather_sum", lambda rows, src, k: rows[src].view(-1, k, rows.shape[1]).float().sum(1))
     g = torch.Generator().manual_seed(3)
     E, D, I, k, T = 5, 128, 128, 2, 37
     w13, w2, dense = _experts(E, D, I, g)

@@ -77,6 +77,21 @@ def test_w4a16_clusters_share_x_and_change_no_bit(gen):
     assert torch.equal(moe.moe_routed(x, ids, w, w13, w2, 8, C.LIMIT, config=cfg | {"cluster_n": 2}), alone)
 
 
+@pytest.mark.parametrize("d,k", [(7168, 6), (4096, 6), (512, 2)])
+def test_moe_gather_sum_is_the_slot_order_fp32_loop(gen, d, k):
+    """The combine kernel gives the bits of the permuting copy plus k fp32 passes in slot order, and touches
+    only the rows a token routes to (rows nobody names hold NaN)."""
+    from dsv4_kernels import moe
+    T = 333
+    rows = torch.randn(T * k + 5, d, device="cuda", generator=gen).bfloat16()
+    rows[-5:] = float("nan")
+    src = torch.randperm(T * k, device="cuda", generator=gen)
+    want = torch.zeros(T, d, device="cuda")
+    for j in range(k):
+        want += rows.index_select(0, src).view(T, k, d)[:, j].float()
+    assert torch.equal(moe.gather_sum(rows, src, k), want)
+
+
 def test_w4a16_linear_and_fused_swiglu(gen):
     from dsv4_kernels import check_gemm as C
     rows = C.check_w4("flash", ms=(1, 16, 130), gen=gen, log=lambda s: None)
