@@ -58,6 +58,41 @@ def load(tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar, mask):
         cute.copy(tma, src, dst, tma_bar_ptr=bar, mcast_mask=mask)
 
 
+RASTER_A_BYTES = 16 << 20  # activation rows a group of tile rows keeps in L2 (50 MB on H100 / H200)
+
+
+def raster_group(m: int, k: int, tile_m: int, elt_bytes: int) -> int:
+    """Host side of `tile_coords`: how many rows of tiles one group spans (their A tiles stay in L2 while the
+    group sweeps N, and B streams from memory once per group)."""
+    rows = -(-m // tile_m)
+    return max(1, min(rows, RASTER_A_BYTES // (tile_m * k * elt_bytes)))
+
+
+def raster(bx: int, by: int, n_tiles: int, m_tiles: int, group_m: int, cluster_n: int):
+    """(N tile, M tile) of the CTA at grid position (bx, by) of a grid [n_tiles, m_tiles] (`tile_coords`);
+    plain arithmetic, so the kernel traces it and the CPU tests check it is a permutation."""
+    units = n_tiles // cluster_n                        # clusters along N in a row of tiles
+    u = (by * n_tiles + bx) // cluster_n
+    group = u // (group_m * units)
+    first = group * group_m
+    rows = cutlass.min(m_tiles - first, group_m)
+    r = u - group * group_m * units
+    return (r // rows) * cluster_n + bx % cluster_n, first + r % rows
+
+
+@cute.jit
+def tile_coords(group_m: cutlass.Int32, cluster_n: cutlass.Constexpr):
+    """In the kernel, on a grid [N tiles, M tiles, ...]: (bx, by), the N and M tile this CTA computes.
+
+    The CTAs run in launch order (x fastest): taken as they come, a wave of CTAs walks one row of tiles and
+    streams all of B for every row (Pro wq_b: 100 MB of weights, twice the L2, read once per 128 rows). Here
+    consecutive clusters walk down a group of `group_m` tile rows first, then along N, so a wave shares its few
+    B tiles and B is read from memory once per group. A cluster's CTAs keep one row and neighbouring columns."""
+    bx, by, _ = cute.arch.block_idx()
+    n_tiles, m_tiles, _ = cute.arch.grid_dim()
+    return raster(bx, by, n_tiles, m_tiles, group_m, cluster_n)
+
+
 @cute.jit
 def leave_cluster(cluster_n: cutlass.Constexpr):
     """Every thread, last: no CTA of a cluster exits while another may still write its shared memory or arrive

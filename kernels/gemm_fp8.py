@@ -24,7 +24,7 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint32, cute, pipeli
 from cutlass.cute.nvgpu import warpgroup
 
 from ._common import KernelDef, bits_f32, f32_bits, fake_ptr, fake_stream, fmax_nan, ld_cg_f32x2, register
-from ._tma_gemm import CONSUMER_WARPS, TmaOperandsAB, leave_cluster
+from ._tma_gemm import CONSUMER_WARPS, TmaOperandsAB, leave_cluster, raster_group, tile_coords
 
 SM90 = ("sm_90a",)
 SMEM_BYTES = 227 * 1024
@@ -146,7 +146,7 @@ class Fp8BlockGemm(TmaOperandsAB):
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, sa_ptr: cute.Pointer, sb_ptr: cute.Pointer,
                  y_ptr: cute.Pointer, ws_ptr: cute.Pointer, ticket_ptr: cute.Pointer, m: Int32, n: Int32,
-                 k: Int32, n_split: Int32, stream):
+                 k: Int32, n_split: Int32, group_m: Int32, stream):
         kb = k // 128
         mA = cute.make_tensor(x_ptr, cute.make_layout((m, k), stride=(k, 1)))
         mB = cute.make_tensor(w_ptr, cute.make_layout((n, k), stride=(k, 1)))
@@ -158,9 +158,9 @@ class Fp8BlockGemm(TmaOperandsAB):
         mTicket = cute.make_tensor(ticket_ptr, cute.make_layout(n_tickets))
 
         tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout = self.tma_operands(Float8E4M3FN, mA, mB)
-        # grid: x over N tiles (consecutive CTAs share the activation tile), y over M tiles, z over K parts
+        # grid: x over N tiles, y over M tiles (rastered in groups of group_m rows: tile_coords), z over K parts
         self.kernel(tma_a, mA_tma, tma_b, mB_tma, mSA, mSB, mY, mWs, mTicket, tiled_mma, sA_layout, sB_layout,
-                    m, n, k, n_split).launch(
+                    m, n, k, n_split, group_m).launch(
             grid=[n // self.tile_n, cute.ceil_div(m, self.tile_m), n_split], block=[self.threads, 1, 1],
             cluster=[self.cluster_n, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -168,9 +168,10 @@ class Fp8BlockGemm(TmaOperandsAB):
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                mSA: cute.Tensor, mSB: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor, mTicket: cute.Tensor,
                tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, m: Int32,
-               n: Int32, k: Int32, n_split: Int32):
+               n: Int32, k: Int32, n_split: Int32, group_m: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, by, bz = cute.arch.block_idx()
+        _, _, bz = cute.arch.block_idx()
+        bx, by = tile_coords(group_m, self.cluster_n)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         k_tiles, k_first = k // self.tile_k, 0
@@ -351,7 +352,7 @@ class Fp8BlockGemm(TmaOperandsAB):
 def _build_gemm(tile_n: int = 128, split_k: bool = False, cluster_n: int = 1):
     args = (fake_ptr(Float8E4M3FN), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4), fake_ptr(Float32, 4),
             fake_ptr(Uint32), fake_ptr(Float32), fake_ptr(Int32, 4), Int32(256), Int32(1536), Int32(7168), Int32(2),
-            fake_stream())
+            Int32(2), fake_stream())
     return Fp8BlockGemm(tile_n, split_k, cluster_n), args
 
 
@@ -473,7 +474,8 @@ def fp8_gemm(xq, sa, w, sb, out=None, config: Fp8Config | None = None):
     fn = compile_kernel("fp8_block_gemm", device_arch(xq.device), tile_n=tile_n, split_k=split > 1,
                         cluster_n=cluster_n)
     fn(ptr(xq), ptr(w), ptr(sa, align=4), ptr(sb, align=4), ptr(out, Uint32), ptr(ws, Float32, align=4),
-       ptr(tickets, Int32, align=4), Int32(m), Int32(n), Int32(k), Int32(split), current_stream())
+       ptr(tickets, Int32, align=4), Int32(m), Int32(n), Int32(k), Int32(split), Int32(raster_group(m, k, 128, 1)),
+       current_stream())
     return out
 
 

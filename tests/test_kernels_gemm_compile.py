@@ -219,6 +219,23 @@ def test_fp8_config_fills_the_sms():
         assert (n // t) % cluster == 0
 
 
+@pytest.mark.parametrize("n_tiles,m_tiles,cluster_n", [(512, 32, 1), (56, 32, 2), (4, 13, 2), (12, 3, 1)])
+def test_raster_is_a_permutation_grouped_down_m(n_tiles, m_tiles, cluster_n):
+    """Every (N tile, M tile) once; a cluster's CTAs one row and adjacent columns; launch order walks the rows
+    of a group first (Pro wq_b at M = 4096: one group of all 32 rows, so its first 132 CTAs read 5 B tiles)."""
+    from dsv4_kernels._tma_gemm import raster, raster_group
+    for group_m in {1, 5, m_tiles, raster_group(m_tiles * 128, 1536, 128, 1)}:
+        order = [raster(bx, by, n_tiles, m_tiles, group_m, cluster_n)
+                 for by in range(m_tiles) for bx in range(n_tiles)]
+        assert sorted(order) == [(x, y) for x in range(n_tiles) for y in range(m_tiles)]
+        for i in range(0, len(order), cluster_n):
+            pair = order[i:i + cluster_n]
+            assert {y for _, y in pair} == {pair[0][1]} and [x for x, _ in pair] == list(range(pair[0][0], pair[0][0] + cluster_n))
+        rows = min(group_m, m_tiles)                    # the first clusters launched walk down column 0
+        assert order[:rows * cluster_n] == [(x, y) for y in range(rows) for x in range(cluster_n)]
+    assert raster_group(4096, 1536, 128, 1) == 32 and raster_group(4096, 16384, 128, 1) == 8
+
+
 def test_fp8_gemm_refuses_a_split_that_does_not_divide_k():
     import torch
     xq, w = torch.zeros(4, 384, dtype=torch.float8_e4m3fn), torch.zeros(128, 384, dtype=torch.float8_e4m3fn)
