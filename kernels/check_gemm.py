@@ -85,12 +85,13 @@ def rand_pack_fast(E: int, n: int, k: int, gen):
 
 def fp8_configs(m: int, n: int, k: int) -> list:
     """The configurations a row checks and times: each tile width whole, K in two parts, A shared by clusters
-    of two along N, what pick_config chooses (first) and the same without a cluster."""
+    of two along N, what pick_config chooses (first), the same without a cluster and in plain launch order
+    (one row of tiles after another, the raster before tile groups)."""
     from . import gemm_fp8 as K
     picked = K.pick_config(m, n, k, sm_count("cuda"))
     cands = [K.Fp8Config(t) for t in K.TILE_NS] + [K.Fp8Config(t, 1, 2) for t in K.TILE_NS]
     cands += [K.Fp8Config(128, 2)] if (k // 128) % 2 == 0 else []
-    cands += [picked._replace(cluster_n=1)]
+    cands += [picked._replace(cluster_n=1), picked._replace(group_m=1)]
     return [picked] + list(dict.fromkeys(c for c in cands if c != picked))
 
 

@@ -404,14 +404,16 @@ def pick_tile_n(m: int, n: int, sms: int) -> int:
 
 
 class Fp8Config(NamedTuple):
-    """How fp8_gemm runs a shape: tile width, K parts, CTAs along N that share their A tile."""
+    """How fp8_gemm runs a shape: tile width, K parts, CTAs along N that share their A tile, rows of tiles in a
+    raster group (0: raster_group's choice; 1: launch order, one row of tiles after another)."""
     tile_n: int = 128
     split: int = 1
     cluster_n: int = 1
+    group_m: int = 0
 
     def __str__(self) -> str:
         return f"n{self.tile_n}" + (f"/k{self.split}" if self.split > 1 else "") + (
-            f"/c{self.cluster_n}" if self.cluster_n > 1 else "")
+            f"/c{self.cluster_n}" if self.cluster_n > 1 else "") + (f"/g{self.group_m}" if self.group_m else "")
 
 
 def pick_config(m: int, n: int, k: int, sms: int) -> Fp8Config:
@@ -460,7 +462,7 @@ def fp8_gemm(xq, sa, w, sb, out=None, config: Fp8Config | None = None):
         raise ValueError(f"fp8 GEMM writes a contiguous bf16 [{m}, {n}], not {out.dtype} {tuple(out.shape)}")
     if not m:
         return out
-    tile_n, split, cluster_n = config or pick_config(m, n, k, sm_count(xq.device))
+    tile_n, split, cluster_n, group_m = config or pick_config(m, n, k, sm_count(xq.device))
     if split < 1 or (k // 128) % split or split * m * n >= 2 ** 31:
         raise ValueError(f"fp8 GEMM cannot split K = {k} into {split} parts of whole 128-wide blocks "
                          f"(or the [{split}, {m}, {n}] fp32 partials exceed 32-bit offsets)")
@@ -474,8 +476,8 @@ def fp8_gemm(xq, sa, w, sb, out=None, config: Fp8Config | None = None):
     fn = compile_kernel("fp8_block_gemm", device_arch(xq.device), tile_n=tile_n, split_k=split > 1,
                         cluster_n=cluster_n)
     fn(ptr(xq), ptr(w), ptr(sa, align=4), ptr(sb, align=4), ptr(out, Uint32), ptr(ws, Float32, align=4),
-       ptr(tickets, Int32, align=4), Int32(m), Int32(n), Int32(k), Int32(split), Int32(raster_group(m, k, 128, 1)),
-       current_stream())
+       ptr(tickets, Int32, align=4), Int32(m), Int32(n), Int32(k), Int32(split),
+       Int32(group_m or raster_group(m, k, 128, 1)), current_stream())
     return out
 
 

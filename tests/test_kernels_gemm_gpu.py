@@ -23,6 +23,22 @@ def test_fp8_linear_within_sim_error(gen, m):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("cluster_n", [1, 2])
+def test_fp8_tile_raster_changes_no_bit(gen, cluster_n):
+    """Tiles rastered in groups of M rows (tile_coords) compute each tile as launch order does: the same bits for
+    groups of 1 (launch order), 3 (a partial last group: 11 rows of tiles) and every row, and every tile written."""
+    from dsv4_kernels import check_gemm as C
+    from dsv4_kernels import gemm_fp8 as K
+    q, s, _ = C.rand_fp8_weight(1024, 1024, gen)
+    sb = K.weight_scales(s)
+    xq, sa = K.fp8_act_quant(C._randn((1400, 1024), gen))
+    want = K.fp8_gemm(xq, sa, q, sb, config=K.Fp8Config(128, 1, cluster_n, 1))
+    assert bool(want.isfinite().all())
+    for group_m in (3, 11, 0):
+        got = K.fp8_gemm(xq, sa, q, sb, config=K.Fp8Config(128, 1, cluster_n, group_m))
+        assert torch.equal(got, want), group_m
+
+
 @pytest.mark.parametrize("tile_n", [128, 64])
 def test_fp8_split_k_is_deterministic_and_reusable(gen, tile_n):
     """Split-K GEMMs: the same bits on every call (parts summed in split order; the tickets reset for the next
