@@ -12,6 +12,7 @@ Phases (each writes DIR/<phase>.json; the driver then writes DIR/gemm.json and p
   moe    the Pro MoE layer (384 experts, top-6; 256 and 4096 tokens) against a loop of per-expert cuBLAS BF16
   decode the W4A16 rows of bench at M = 1 and 16 (every decode configuration of both kernels timed) and the
          Pro FP8 rows at M = 16
+  fp8    the FP8 rows of bench alone (bench takes longer than one step of a device call leaves it)
 A hung or crashing kernel costs one phase (timeout), not the run.
 """
 from __future__ import annotations
@@ -26,9 +27,9 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PHASES = ("smoke", "bench", "moe", "check", "decode")
+PHASES = ("smoke", "bench", "moe", "check", "decode", "fp8")
 DEFAULT_PHASES = PHASES[:4]       # their timeouts fit one device call (< 600 s); decode is a part of bench
-TIMEOUTS = {"smoke": 100, "bench": 170, "moe": 140, "check": 120, "decode": 120}
+TIMEOUTS = {"smoke": 100, "bench": 170, "moe": 140, "check": 120, "decode": 120, "fp8": 150}
 
 
 def log(msg: str) -> None:
@@ -175,7 +176,7 @@ def phase_check() -> dict:
     return {"rows": rows, "passed": all(r.get("passed") for r in rows)}
 
 
-def phase_bench() -> dict:
+def phase_bench(w4: bool = True) -> dict:
     import torch
     from dsv4_kernels import check_gemm as C
     from dsv4_kernels.check import copy_bandwidth
@@ -184,8 +185,9 @@ def phase_bench() -> dict:
     _try(r, "copy", copy_bandwidth)
     _try(r, "cublas_peak", C.cublas_peak)
     log(f"  copy {r.get('copy')} cuBLAS {r.get('cublas_peak')}")
-    _try(r, "w4_pro", lambda: C.bench_w4("pro", gen=gen, log=log))
-    _try(r, "w4_flash", lambda: C.bench_w4("flash", gen=gen, log=log))
+    if w4:
+        _try(r, "w4_pro", lambda: C.bench_w4("pro", gen=gen, log=log))
+        _try(r, "w4_flash", lambda: C.bench_w4("flash", gen=gen, log=log))
     _try(r, "fp8_pro", lambda: C.bench_fp8("pro", gen=gen, log=log))
     _try(r, "fp8_flash", lambda: C.bench_fp8("flash", ms=(16, 2048), gen=gen, log=log))
     return r
@@ -224,7 +226,7 @@ def run_phase(name: str, out: Path) -> None:
     from dsv4_kernels.check import environment
     res = {"phase": name, "env": environment()}
     res |= {"smoke": phase_smoke, "check": phase_check, "bench": phase_bench, "moe": phase_moe,
-            "decode": phase_decode}[name]()
+            "decode": phase_decode, "fp8": lambda: phase_bench(w4=False)}[name]()
     res["seconds"] = round(time.perf_counter() - t0, 1)
     (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
 
@@ -239,7 +241,7 @@ def summary(doc: dict) -> list[str]:
                      f"{'PASS' if row.get('passed') else 'FAIL'} cos={row.get('cos')} {row.get('note', '')[:90]}"
                      + (f" {row.get('error', '')[:200]}" if row.get("error") else ""))
     for phase, key in [("bench", k) for k in ("w4_pro", "w4_flash", "fp8_pro", "fp8_flash")] + [
-            ("decode", "w4_pro"), ("decode", "w4_flash"), ("decode", "fp8_pro")]:
+            ("decode", "w4_pro"), ("decode", "w4_flash"), ("decode", "fp8_pro"), ("fp8", "fp8_pro"), ("fp8", "fp8_flash")]:
         b = doc.get(phase, {})
         for r in b.get(key, []) if isinstance(b.get(key), list) else [b.get(key)]:
             if isinstance(r, dict) and "us" in r:
