@@ -102,14 +102,6 @@ def leave_cluster(cluster_n: cutlass.Constexpr):
         cute.arch.cluster_wait()
 
 
-def tiled_wgmma(dtype, tile_n: int, a_in_registers: bool = False):
-    """The consumers' WGMMA: two warpgroups of 64 rows, K-major operands of `dtype`, fp32 accumulators."""
-    source = warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM
-    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K,
-                                             cute.nvgpu.OperandMajorMode.K, Float32, (2, 1, 1),
-                                             tiler_mn=(64, tile_n), a_source=source)
-
-
 class TmaOperandsAB:
     """Host side and kernel prologue of a GEMM whose A and B both stream through TMA (see the module doc).
     cluster_n > 1: the grid's CTAs form clusters of cluster_n along N (grid x), which share their A tile: each
@@ -140,7 +132,10 @@ class TmaOperandsAB:
         tma_b, mB_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
                                                     cute.slice_(sB_layout, (None, None, 0)),
                                                     (self.tile_n, self.tile_k))
-        tiled_mma = tiled_wgmma(dtype, self.tile_n, a_in_registers=a_dtype is not dtype)
+        source = warpgroup.OperandSource.SMEM if a_dtype is dtype else warpgroup.OperandSource.RMEM
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, (2, 1, 1),
+            tiler_mn=(64, self.tile_n), a_source=source)
 
         @cute.struct
         class Storage:
