@@ -114,37 +114,31 @@ class TmaOperandsAB:
     stages: int
     cluster_n: int = 1
 
-    def tma_operands(self, dtype, mA: cute.Tensor, mB: cute.Tensor, a_dtype=None):
-        """(tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout) for WGMMAs on operands of `dtype`
-        with fp32 accumulation; sets self.storage (barriers, swizzled A and B stages) and self.tx_bytes (a stage).
-        a_dtype: A's tiles are of this type instead, and the WGMMAs take A from registers (the consumers convert
-        each tile: gemm_fp8's fused activation quantisation)."""
-        a_dtype = a_dtype or dtype
-
-        def stages_of(t, rows):
-            atom = warpgroup.make_smem_layout_atom(
-                sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, t, self.tile_k), t)
-            return cute.tile_to_shape(atom, (rows, self.tile_k, self.stages), order=(0, 1, 2))
-        sA_layout, sB_layout = stages_of(a_dtype, self.tile_m), stages_of(dtype, self.tile_n)
+    def tma_operands(self, dtype, mA: cute.Tensor, mB: cute.Tensor):
+        """(tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout) for operands of `dtype` with fp32
+        accumulation; sets self.storage (barriers, swizzled A and B stages) and self.tx_bytes (a stage)."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dtype, self.tile_k), dtype)
+        sA_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_k, self.stages), order=(0, 1, 2))
+        sB_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_k, self.stages), order=(0, 1, 2))
         tma_a, mA_tma = cpasync.make_tiled_tma_atom(multicast_op(self.cluster_n), mA,
                                                     cute.slice_(sA_layout, (None, None, 0)),
                                                     (self.tile_m, self.tile_k), num_multicast=self.cluster_n)
         tma_b, mB_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
                                                     cute.slice_(sB_layout, (None, None, 0)),
                                                     (self.tile_n, self.tile_k))
-        source = warpgroup.OperandSource.SMEM if a_dtype is dtype else warpgroup.OperandSource.RMEM
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, (2, 1, 1),
-            tiler_mn=(64, self.tile_n), a_source=source)
+            tiler_mn=(64, self.tile_n))
 
         @cute.struct
         class Storage:
             bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[a_dtype, cute.cosize(sA_layout)], 1024]
+            sA: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sB_layout)], 1024]
 
         self.storage = Storage
-        self.tx_bytes = (self.tile_m * a_dtype.width + self.tile_n * dtype.width) * self.tile_k // 8
+        self.tx_bytes = (self.tile_m + self.tile_n) * self.tile_k * dtype.width // 8
         return tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout
 
     def operand_pipeline(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,

@@ -86,13 +86,12 @@ def rand_pack_fast(E: int, n: int, k: int, gen):
 def fp8_configs(m: int, n: int, k: int) -> list:
     """The configurations a row checks and times: each tile width whole, K in two parts, A shared by clusters
     of two along N, what pick_config chooses (first), the same without a cluster and in plain launch order
-    (one row of tiles after another, the raster before tile groups), and with the activation quantisation
-    moved into (or out of) the GEMM."""
+    (one row of tiles after another, the raster before tile groups)."""
     from . import gemm_fp8 as K
     picked = K.pick_config(m, n, k, sm_count("cuda"))
     cands = [K.Fp8Config(t) for t in K.TILE_NS] + [K.Fp8Config(t, 1, 2) for t in K.TILE_NS]
     cands += [K.Fp8Config(128, 2)] if (k // 128) % 2 == 0 else []
-    cands += [picked._replace(cluster_n=1), picked._replace(group_m=1), picked._replace(quant_a=not picked.quant_a)]
+    cands += [picked._replace(cluster_n=1), picked._replace(group_m=1)]
     return [picked] + list(dict.fromkeys(c for c in cands if c != picked))
 
 
@@ -299,10 +298,8 @@ def _bench_fp8_shape(preset, name, n, k, ms, gen, log) -> list[dict]:
         y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         t_cub = _t(lambda i, x=x: torch.mm(x, wbs[i].T), ns_b)
         # every configuration of fp8_configs timed side by side; the row's time is the one pick_config chooses
-        # gemm: the GEMM alone, given the quantised activations (a quantising GEMM: all of it)
         by_cfg = {c: (_t(lambda i, x=x, c=c: K.fp8_linear(x, qs[i], sb, config=c), ns_k),
-                      _t(lambda i, xq=xq, sa=sa, x=x, y=y, c=c: K.fp8_gemm(x, None, qs[i], sb, y, c) if c.quant_a
-                         else K.fp8_gemm(xq, sa, qs[i], sb, y, c), ns_k))
+                      _t(lambda i, xq=xq, sa=sa, y=y, c=c: K.fp8_gemm(xq, sa, qs[i], sb, y, c), ns_k))
                   for c in fp8_configs(m, n, k)}
         picked = K.pick_config(m, n, k, sm_count(x.device))
         t_full, t_gemm = by_cfg[picked]

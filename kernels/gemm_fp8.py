@@ -51,25 +51,6 @@ def bf16x2(lo: Float32, hi: Float32) -> Uint32:
 # Activation quantisation (1 x 128 blocks, power-of-two scales)
 # --------------------------------------------------------------------------------------------------------
 
-@cute.jit
-def block_scale(amax: Float32):
-    """(s, 1 / s) of a 1 x 128 block of absolute maximum amax: s = 2**ceil(log2(max(amax, 1e-4) / 448)), exact
-    powers of two, so x * (1 / s) is x / s; an inf or NaN amax gives s = inf / NaN, as torch's exp2(ceil(log2)),
-    and 1 / s = 0 (inf block: x / inf = 0, inf / inf = NaN, both x * 0) or NaN (NaN block: every element NaN)."""
-    t = fmax_nan(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
-    tb = f32_bits(t)
-    te = (tb >> 23) & 0xFF
-    e = te - 127 + cutlass.select_((tb & 0x7FFFFF) != 0, Int32(1), Int32(0))
-    s = bits_f32((e + 127) << 23)
-    inv = bits_f32((127 - e) << 23)
-    if te == 255:
-        s = t
-        inv = Float32(0.0)
-        if (tb & 0x7FFFFF) != 0:
-            inv = t
-    return s, inv
-
-
 class Fp8ActQuant:
     """x bf16 [M, K] -> xq e4m3 [M, K], sa fp32 [K/128, M]; 16 threads per block, 8 elements a vector, VECS
     vectors a thread, all loaded before any is converted (one 16-byte load in flight a thread left the copy
@@ -106,7 +87,17 @@ class Fp8ActQuant:
             amax = fmax_nan(amax, fmax_nan(x[i], -x[i]))
         for off in cutlass.range_constexpr(4):
             amax = fmax_nan(amax, cute.arch.shuffle_sync_bfly(amax, offset=8 >> off))
-        s, inv = block_scale(amax)
+        t = fmax_nan(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
+        tb = f32_bits(t)
+        te = (tb >> 23) & 0xFF
+        e = te - 127 + cutlass.select_((tb & 0x7FFFFF) != 0, Int32(1), Int32(0))
+        s = bits_f32((e + 127) << 23)
+        inv = bits_f32((127 - e) << 23)
+        if te == 255:                         # inf or NaN amax: scale inf/NaN, as torch's exp2(ceil(log2))
+            s = t
+            inv = Float32(0.0)                # inf block: x / inf = 0, inf / inf = NaN (x * 0 gives both)
+            if (tb & 0x7FFFFF) != 0:          # NaN block: every element NaN
+                inv = t
         rQ = cute.make_rmem_tensor(8, Float8E4M3FN)
         rQ.store((x * inv).to(Float8E4M3FN))          # cvt.rn.satfinite: the clamp to +-448 of the reference
         if v < nvec:
@@ -142,14 +133,14 @@ class Fp8BlockGemm(TmaOperandsAB):
     are the same (row, column) set in every part, so warps need not wait for each other."""
     threads = 384
 
-    def __init__(self, tile_n: int = 128, split_k: bool = False, cluster_n: int = 1, quant_a: bool = False):
+    def __init__(self, tile_n: int = 128, split_k: bool = False, cluster_n: int = 1):
         if tile_n not in TILE_NS:
             raise ValueError(f"tile N must be one of {TILE_NS} (a tile lies in one 128-wide weight block)")
         if cluster_n not in CLUSTER_NS:
             raise ValueError(f"cluster along N must be one of {CLUSTER_NS}")
         self.tile_m, self.tile_n, self.tile_k = 128, tile_n, 128
-        self.split_k, self.cluster_n, self.quant_a = split_k, cluster_n, quant_a
-        stage_bytes = (self.tile_m * (2 if quant_a else 1) + self.tile_n) * self.tile_k
+        self.split_k, self.cluster_n = split_k, cluster_n
+        stage_bytes = (self.tile_m + self.tile_n) * self.tile_k
         self.stages = min(8, (SMEM_BYTES - 2048) // stage_bytes)
 
     @cute.jit
@@ -166,8 +157,7 @@ class Fp8BlockGemm(TmaOperandsAB):
         n_tickets = cute.ceil_div(m, self.tile_m) * (n // self.tile_n) * CONSUMER_WARPS
         mTicket = cute.make_tensor(ticket_ptr, cute.make_layout(n_tickets))
 
-        tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout = self.tma_operands(
-            Float8E4M3FN, mA, mB, a_dtype=BFloat16 if self.quant_a else None)
+        tma_a, mA_tma, tma_b, mB_tma, tiled_mma, sA_layout, sB_layout = self.tma_operands(Float8E4M3FN, mA, mB)
         # grid: x over N tiles, y over M tiles (rastered in groups of group_m rows: tile_coords), z over K parts
         self.kernel(tma_a, mA_tma, tma_b, mB_tma, mSA, mSB, mY, mWs, mTicket, tiled_mma, sA_layout, sB_layout,
                     m, n, k, n_split, group_m).launch(
@@ -194,58 +184,55 @@ class Fp8BlockGemm(TmaOperandsAB):
             self.producer_warpgroup(pipe, loads, k_tiles, warp, lane, k_first)
         else:
             cute.arch.setmaxregister_increase(232)
-            if cutlass.const_expr(self.quant_a):
-                tCcC, acc = self.mainloop_quantising(tiled_mma, sA, sB, tidx, pipe, mSB, bx, k_tiles, k_first)
-            else:
-                tCrA, tCrB, tCcC, acc = self.consumer_operands(tiled_mma, sA, sB, tidx)
-                # two block accumulators: the WGMMAs of k-tile t + 1 run while tile t is promoted into acc
-                tmp0 = cute.make_rmem_tensor(acc.shape, Float32)
-                tmp1 = cute.make_rmem_tensor(acc.shape, Float32)
-                # this thread's two accumulator rows (r and r + 8)
-                r_lo, _ = tCcC[0]
-                r_hi, _ = tCcC[2]
-                row_lo = cutlass.min(by * self.tile_m + r_lo, m - 1)
-                row_hi = cutlass.min(by * self.tile_m + r_hi, m - 1)
+            tCrA, tCrB, tCcC, acc = self.consumer_operands(tiled_mma, sA, sB, tidx)
+            # two block accumulators: the WGMMAs of k-tile t + 1 run while tile t is promoted into acc
+            tmp0 = cute.make_rmem_tensor(acc.shape, Float32)
+            tmp1 = cute.make_rmem_tensor(acc.shape, Float32)
+            # this thread's two accumulator rows (r and r + 8)
+            r_lo, _ = tCcC[0]
+            r_hi, _ = tCcC[2]
+            row_lo = cutlass.min(by * self.tile_m + r_lo, m - 1)
+            row_hi = cutlass.min(by * self.tile_m + r_hi, m - 1)
 
-                # pairs of k-tiles keep the buffer choice static; the pipeline states advance only in the loop body.
-                # Each tile's scales are loaded as its WGMMAs are queued, a tile before its promotion needs them:
-                # loaded at the promotion, their global-load latency stalled every k-step (the tensor cores idle).
-                rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-                rl = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-                lo0, hi0 = self.scales(mSA, mSB, bx, k_first, row_lo, row_hi)
-                self.issue(tiled_mma, tCrA, tCrB, tmp0, pipe, rd)
+            # pairs of k-tiles keep the buffer choice static; the pipeline states advance only in the loop body.
+            # Each tile's scales are loaded as its WGMMAs are queued, a tile before its promotion needs them:
+            # loaded at the promotion, their global-load latency stalled every k-step (the tensor cores idle).
+            rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            rl = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            lo0, hi0 = self.scales(mSA, mSB, bx, k_first, row_lo, row_hi)
+            self.issue(tiled_mma, tCrA, tCrB, tmp0, pipe, rd)
+            rd.advance()
+            for kp in cutlass.range((k_tiles - 1) // 2, unroll=1):
+                lo1, hi1 = self.scales(mSA, mSB, bx, k_first + 2 * kp + 1, row_lo, row_hi)
+                self.issue(tiled_mma, tCrA, tCrB, tmp1, pipe, rd)            # tile 2kp + 1
                 rd.advance()
-                for kp in cutlass.range((k_tiles - 1) // 2, unroll=1):
-                    lo1, hi1 = self.scales(mSA, mSB, bx, k_first + 2 * kp + 1, row_lo, row_hi)
-                    self.issue(tiled_mma, tCrA, tCrB, tmp1, pipe, rd)            # tile 2kp + 1
-                    rd.advance()
-                    warpgroup.wait_group(1)                                     # tile 2kp is done
-                    pipe.consumer_release(rl)
-                    rl.advance()
-                    self.promote(acc, tmp0, lo0, hi0)
-                    lo0, hi0 = self.scales(mSA, mSB, bx, k_first + 2 * kp + 2, row_lo, row_hi)
-                    self.issue(tiled_mma, tCrA, tCrB, tmp0, pipe, rd)            # tile 2kp + 2
-                    rd.advance()
-                    warpgroup.wait_group(1)
-                    pipe.consumer_release(rl)
-                    rl.advance()
-                    self.promote(acc, tmp1, lo1, hi1)
-                last = k_tiles - 1 - (k_tiles - 1) % 2                          # the tile now in tmp0
-                rl_next = rl.clone()
-                rl_next.advance()
-                if k_tiles % 2 == 0:                                            # one more tile, into tmp1
-                    lo1, hi1 = self.scales(mSA, mSB, bx, k_first + last + 1, row_lo, row_hi)
-                    self.issue(tiled_mma, tCrA, tCrB, tmp1, pipe, rd)
-                    warpgroup.wait_group(1)
-                    pipe.consumer_release(rl)
-                    self.promote(acc, tmp0, lo0, hi0)
-                    warpgroup.wait_group(0)
-                    pipe.consumer_release(rl_next)
-                    self.promote(acc, tmp1, lo1, hi1)
-                else:
-                    warpgroup.wait_group(0)
-                    pipe.consumer_release(rl)
-                    self.promote(acc, tmp0, lo0, hi0)
+                warpgroup.wait_group(1)                                     # tile 2kp is done
+                pipe.consumer_release(rl)
+                rl.advance()
+                self.promote(acc, tmp0, lo0, hi0)
+                lo0, hi0 = self.scales(mSA, mSB, bx, k_first + 2 * kp + 2, row_lo, row_hi)
+                self.issue(tiled_mma, tCrA, tCrB, tmp0, pipe, rd)            # tile 2kp + 2
+                rd.advance()
+                warpgroup.wait_group(1)
+                pipe.consumer_release(rl)
+                rl.advance()
+                self.promote(acc, tmp1, lo1, hi1)
+            last = k_tiles - 1 - (k_tiles - 1) % 2                          # the tile now in tmp0
+            rl_next = rl.clone()
+            rl_next.advance()
+            if k_tiles % 2 == 0:                                            # one more tile, into tmp1
+                lo1, hi1 = self.scales(mSA, mSB, bx, k_first + last + 1, row_lo, row_hi)
+                self.issue(tiled_mma, tCrA, tCrB, tmp1, pipe, rd)
+                warpgroup.wait_group(1)
+                pipe.consumer_release(rl)
+                self.promote(acc, tmp0, lo0, hi0)
+                warpgroup.wait_group(0)
+                pipe.consumer_release(rl_next)
+                self.promote(acc, tmp1, lo1, hi1)
+            else:
+                warpgroup.wait_group(0)
+                pipe.consumer_release(rl)
+                self.promote(acc, tmp0, lo0, hi0)
 
             if cutlass.const_expr(self.split_k):
                 if self.sum_splits(acc, tCcC, mWs, mTicket, bx, by, bz, m, n, n_split, warp, lane):
@@ -253,98 +240,6 @@ class Fp8BlockGemm(TmaOperandsAB):
             else:
                 self.store(acc, tCcC, mY, bx, by, m, n, lane)
         leave_cluster(self.cluster_n)
-
-    @cute.jit
-    def mainloop_quantising(self, tiled_mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor, tidx, pipe,
-                            mSB: cute.Tensor, bx: Int32, k_tiles: Int32, k_first: Int32):
-        """quant_a's consumer loop: A arrives as bf16 tiles, and each thread quantises the values its WGMMA
-        fragment holds (fp8_act_quant's arithmetic, the row's amax over its quad) into e4m3 registers that the
-        WGMMAs read (A from registers), while the previous tile's WGMMAs run. Registers allow one block
-        accumulator besides the two fragments, so a tile is promoted before the next one's WGMMAs are queued;
-        the other consumer warpgroup keeps the tensor cores busy meanwhile.
-        Returns (tCcC, acc)."""
-        thr = tiled_mma.get_slice(tidx - 128)
-        tCsA = thr.partition_A(sA)                          # (16, 1, KB, stages) bf16, the fragment's values
-        tCrB = tiled_mma.make_fragment_B(thr.partition_B(sB))
-        tCcC = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        acc.fill(0.0)
-        tmp = cute.make_rmem_tensor(acc.shape, Float32)
-        a_shape = thr.partition_shape_A((self.tile_m, self.tile_k))
-        frag0 = tiled_mma.make_fragment_A(a_shape)
-        frag1 = tiled_mma.make_fragment_A(a_shape)
-        rq = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)    # next to quantise
-        rl = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)    # oldest held
-        lo0, hi0 = self.quantise(tCsA, frag0, pipe, rq, mSB, bx, k_first)
-        rq.advance()
-        lo1, hi1 = lo0, hi0
-        # pairs of k-tiles keep the fragment choice static
-        for kp in cutlass.range(k_tiles // 2, unroll=1):
-            self.issue_rs(tiled_mma, frag0, tCrB, tmp, rl.index)                 # tile 2kp
-            lo1, hi1 = self.quantise(tCsA, frag1, pipe, rq, mSB, bx, k_first + 2 * kp + 1)
-            rq.advance()
-            warpgroup.wait_group(0)
-            pipe.consumer_release(rl)
-            rl.advance()
-            self.promote(acc, tmp, lo0, hi0)
-            self.issue_rs(tiled_mma, frag1, tCrB, tmp, rl.index)                 # tile 2kp + 1
-            if 2 * kp + 2 < k_tiles:
-                lo0, hi0 = self.quantise(tCsA, frag0, pipe, rq, mSB, bx, k_first + 2 * kp + 2)
-                rq.advance()
-            warpgroup.wait_group(0)
-            pipe.consumer_release(rl)
-            rl.advance()
-            self.promote(acc, tmp, lo1, hi1)
-        if k_tiles % 2 == 1:                                                    # the last tile, in frag0
-            self.issue_rs(tiled_mma, frag0, tCrB, tmp, rl.index)
-            warpgroup.wait_group(0)
-            pipe.consumer_release(rl)
-            self.promote(acc, tmp, lo0, hi0)
-        return tCcC, acc
-
-    @cute.jit
-    def quantise(self, tCsA: cute.Tensor, frag: cute.Tensor, pipe, rq, mSB: cute.Tensor, bx: Int32, kt: Int32):
-        """Wait for k-tile kt's stage and quantise this thread's bf16 A values into frag (e4m3). In an e4m3
-        m64nNk32 A fragment a thread's values 0-3 and 8-11 lie in row r, 4-7 and 12-15 in row r + 8, and the
-        4 lanes of a quad hold a row's columns (PTX ISA, wgmma register fragments): each row's amax over
-        the 128 columns is the quad's. Returns the tile's promotion factors s_row * sb for rows r, r + 8."""
-        sb = mSB[bx // (128 // self.tile_n), kt]
-        pipe.consumer_wait(rq)
-        kbs = cute.size(tCsA, mode=[2])
-        amax = [Float32(0.0), Float32(0.0)]                 # rows r, r + 8
-        for kb in cutlass.range_constexpr(kbs):
-            rX = cute.make_rmem_tensor(16, BFloat16)
-            cute.autovec_copy(tCsA[(None, 0, kb, rq.index)], rX)
-            x = rX.load().to(Float32)
-            for i in cutlass.range_constexpr(16):
-                h = (i // 4) % 2
-                amax[h] = fmax_nan(amax[h], fmax_nan(x[i], -x[i]))
-        scale = []
-        for h in cutlass.range_constexpr(2):
-            for off in cutlass.range_constexpr(2):
-                amax[h] = fmax_nan(amax[h], cute.arch.shuffle_sync_bfly(amax[h], offset=1 << off))
-            scale.append(block_scale(amax[h]))
-        for kb in cutlass.range_constexpr(kbs):         # read again: holding the tile's values spilled
-            rX = cute.make_rmem_tensor(16, BFloat16)
-            cute.autovec_copy(tCsA[(None, 0, kb, rq.index)], rX)
-            x = rX.load().to(Float32)
-            q = cute.make_rmem_tensor(16, Float32)
-            for i in cutlass.range_constexpr(16):
-                q[i] = x[i] * scale[(i // 4) % 2][1]
-            frag[(None, 0, kb)].store(q.load().to(Float8E4M3FN))    # cvt.rn.satfinite, as fp8_act_quant
-        return scale[0][0] * sb, scale[1][0] * sb
-
-    @cute.jit
-    def issue_rs(self, tiled_mma: cute.TiledMma, frag: cute.Tensor, tCrB: cute.Tensor, tmp: cute.Tensor,
-                 stage: Int32):
-        """Queue one k-tile's WGMMAs (A from the registers of frag, B from stage) into tmp and commit them."""
-        warpgroup.fence()
-        mma = cute.make_mma_atom(tiled_mma.op)
-        mma.set(warpgroup.Field.ACCUMULATE, False)
-        for kb in cutlass.range_constexpr(cute.size(frag, mode=[2])):
-            cute.gemm(mma, tmp, frag[(None, None, kb)], tCrB[(None, None, kb, stage)], tmp)
-            mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
 
     @cute.jit
     def sum_splits(self, acc: cute.Tensor, tCcC: cute.Tensor, mWs: cute.Tensor, mTicket: cute.Tensor, bx: Int32,
@@ -454,22 +349,20 @@ class Fp8BlockGemm(TmaOperandsAB):
             acc[i4 * 4 + 3] = acc[i4 * 4 + 3] + tmp[i4 * 4 + 3] * s_hi
 
 
-def _build_gemm(tile_n: int = 128, split_k: bool = False, cluster_n: int = 1, quant_a: bool = False):
-    args = (fake_ptr(BFloat16 if quant_a else Float8E4M3FN), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4), fake_ptr(Float32, 4),
+def _build_gemm(tile_n: int = 128, split_k: bool = False, cluster_n: int = 1):
+    args = (fake_ptr(Float8E4M3FN), fake_ptr(Float8E4M3FN), fake_ptr(Float32, 4), fake_ptr(Float32, 4),
             fake_ptr(Uint32), fake_ptr(Float32), fake_ptr(Int32, 4), Int32(256), Int32(1536), Int32(7168), Int32(2),
             Int32(2), fake_stream())
-    return Fp8BlockGemm(tile_n, split_k, cluster_n, quant_a), args
+    return Fp8BlockGemm(tile_n, split_k, cluster_n), args
 
 
 register(KernelDef("fp8_block_gemm", "linear", SM90, _build_gemm,
-                   configs=tuple({"tile_n": t, "split_k": s, "cluster_n": c, "quant_a": q} for t in TILE_NS
-                                 for s in (False, True) for c in CLUSTER_NS for q in (False, True)),
-                   ci_configs=({"tile_n": 128, "split_k": False, "cluster_n": 2, "quant_a": False},
-                               {"tile_n": 128, "split_k": True, "cluster_n": 1, "quant_a": False},
-                               {"tile_n": 128, "split_k": False, "cluster_n": 2, "quant_a": True}),
+                   configs=tuple({"tile_n": t, "split_k": s, "cluster_n": c} for t in TILE_NS for s in (False, True)
+                                 for c in CLUSTER_NS),
+                   ci_configs=({"tile_n": 128, "split_k": False, "cluster_n": 2},
+                               {"tile_n": 128, "split_k": True, "cluster_n": 1}),
                    doc="e4m3 x e4m3 WGMMA with 1x128 activation / 128x128 weight block scales, bf16 out, "
-                       "split-K, clusters sharing the activation tile and bf16 activations quantised in the "
-                       "kernel as configured"))
+                       "split-K and clusters sharing the activation tile as configured"))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -517,12 +410,10 @@ class Fp8Config(NamedTuple):
     split: int = 1
     cluster_n: int = 1
     group_m: int = 0
-    quant_a: bool = False       # fp8_linear: the GEMM quantises its bf16 activations (no fp8_act_quant launch)
 
     def __str__(self) -> str:
         return f"n{self.tile_n}" + (f"/k{self.split}" if self.split > 1 else "") + (
-            f"/c{self.cluster_n}" if self.cluster_n > 1 else "") + (f"/g{self.group_m}" if self.group_m else "") + (
-            "/q" if self.quant_a else "")
+            f"/c{self.cluster_n}" if self.cluster_n > 1 else "") + (f"/g{self.group_m}" if self.group_m else "")
 
 
 def pick_config(m: int, n: int, k: int, sms: int) -> Fp8Config:
@@ -554,8 +445,7 @@ def pick_config(m: int, n: int, k: int, sms: int) -> Fp8Config:
 
 def fp8_gemm(xq, sa, w, sb, out=None, config: Fp8Config | None = None):
     """xq e4m3 [M, K], sa fp32 [K/128, M], w e4m3 [N, K], sb fp32 [N/128, K/128] -> bf16 [M, N]; config:
-    pick_config's by default. With config.quant_a, xq is the bf16 activations and sa None: the GEMM quantises
-    them as fp8_act_quant would."""
+    pick_config's by default."""
     import torch
 
     from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr, scratch, sm_count
@@ -563,20 +453,16 @@ def fp8_gemm(xq, sa, w, sb, out=None, config: Fp8Config | None = None):
     n = w.shape[0]
     if w.shape[1] != k or n % 128 or k % 128:
         raise ValueError(f"fp8 GEMM needs N % 128 == 0 and K % 128 == 0 (got N={n}, K={k})")
-    if sb.shape != (n // 128, k // 128) or (sa is not None and sa.shape != (k // 128, m)):
+    if sb.shape != (n // 128, k // 128) or sa.shape != (k // 128, m):
         raise ValueError("fp8 GEMM scale shapes do not match the operands")
     check_numel(xq, w)
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=xq.device)
     elif out.dtype != torch.bfloat16 or out.shape != (m, n) or not out.is_contiguous():
         raise ValueError(f"fp8 GEMM writes a contiguous bf16 [{m}, {n}], not {out.dtype} {tuple(out.shape)}")
-    config = config or pick_config(m, n, k, sm_count(xq.device))
-    tile_n, split, cluster_n, group_m, quant_a = config
-    if xq.dtype != (torch.bfloat16 if quant_a else torch.float8_e4m3fn) or (sa is None) != quant_a:
-        raise ValueError(f"fp8 GEMM {config} takes " + ("bf16 activations and no sa" if quant_a else
-                                                         "e4m3 activations and their scales sa"))
     if not m:
         return out
+    tile_n, split, cluster_n, group_m = config or pick_config(m, n, k, sm_count(xq.device))
     if split < 1 or (k // 128) % split or split * m * n >= 2 ** 31:
         raise ValueError(f"fp8 GEMM cannot split K = {k} into {split} parts of whole 128-wide blocks "
                          f"(or the [{split}, {m}, {n}] fp32 partials exceed 32-bit offsets)")
@@ -586,25 +472,19 @@ def fp8_gemm(xq, sa, w, sb, out=None, config: Fp8Config | None = None):
         ws = scratch("fp8_partials", xq.device, split * m * n, torch.float32)
         tickets = scratch("fp8_tickets", xq.device, -(-m // 128) * (n // tile_n) * CONSUMER_WARPS, torch.int32)
     else:
-        ws, tickets = sb, sb                                # not read without split-K
+        ws, tickets = sa, sa                                # not read without split-K
     fn = compile_kernel("fp8_block_gemm", device_arch(xq.device), tile_n=tile_n, split_k=split > 1,
-                        cluster_n=cluster_n, quant_a=quant_a)
-    fn(ptr(xq), ptr(w), ptr(sb if sa is None else sa, align=4), ptr(sb, align=4), ptr(out, Uint32),
-       ptr(ws, Float32, align=4), ptr(tickets, Int32, align=4), Int32(m), Int32(n), Int32(k), Int32(split),
-       Int32(group_m or raster_group(m, k, 128, xq.element_size())), current_stream())
+                        cluster_n=cluster_n)
+    fn(ptr(xq), ptr(w), ptr(sa, align=4), ptr(sb, align=4), ptr(out, Uint32), ptr(ws, Float32, align=4),
+       ptr(tickets, Int32, align=4), Int32(m), Int32(n), Int32(k), Int32(split),
+       Int32(group_m or raster_group(m, k, 128, 1)), current_stream())
     return out
 
 
 def fp8_linear(x, w, sb, out=None, config: Fp8Config | None = None):
     """x bf16 [..., K] @ (w e4m3 [N, K] with fp32 block scales sb [N/128, K/128])^T -> bf16 [..., N]:
     activations quantised per 1 x 128 (the official act_quant), fp32 accumulation with per-block promotion."""
-    from ._common import sm_count
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).contiguous()
-    config = config or pick_config(x2.shape[0], w.shape[0], shape[-1], sm_count(x.device))
-    if config.quant_a:
-        y = fp8_gemm(x2, None, w.contiguous(), sb, out, config)
-    else:
-        xq, sa = fp8_act_quant(x2)
-        y = fp8_gemm(xq, sa, w.contiguous(), sb, out, config)
+    xq, sa = fp8_act_quant(x.reshape(-1, shape[-1]).contiguous())
+    y = fp8_gemm(xq, sa, w.contiguous(), sb, out, config)
     return y.view(*shape[:-1], w.shape[0])

@@ -214,8 +214,7 @@ def test_fp8_config_fills_the_sms():
     assert pick(16, 1536, 7168, 132) == C(64, 4, 2)     # decode wq_a: 24 tiles -> 96 CTAs of 14 k-tiles
     assert pick(16, 65536, 1536, 132) == C(128, 1, 2)   # wq_b: 512 tiles fill the SMs
     for m, n, k in ((1, 512, 7168), (16, 7168, 3072), (256, 4096, 8192)):
-        c = pick(m, n, k, 132)
-        t, split, cluster = c.tile_n, c.split, c.cluster_n
+        t, split, cluster, _ = pick(m, n, k, 132)
         assert t in gemm_fp8.TILE_NS and (k // 128) % split == 0 and split <= gemm_fp8.MAX_SPLIT
         assert (n // t) % cluster == 0
 
