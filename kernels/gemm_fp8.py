@@ -31,7 +31,6 @@ SMEM_BYTES = 227 * 1024
 TILE_NS = (128, 64)         # 64-wide tiles double the CTAs of narrow N (wkv's N = 512: 64 CTAs at M = 2048)
 CLUSTER_NS = (1, 2)         # CTAs along N sharing (multicasting) their A tile
 CLUSTER_N = 2               # where (n // tile_n) is even
-CLUSTER_MIN_KTILES = 16     # above SPLIT_MAX_M rows, clusters for K loops of at least this many 128-wide tiles
 TILE64_RATE = 0.6           # a 64-wide tile's speed over a 128-wide one's in full waves (H200: 0.60-0.66)
 MAX_SPLIT = 16              # split-K parts
 SPLIT_MAX_M = 256           # split K only for one or two rows of tiles (decode, small batches)
@@ -420,15 +419,16 @@ def pick_config(m: int, n: int, k: int, sms: int) -> Fp8Config:
     """Above SPLIT_MAX_M rows: pick_tile_n's width and K whole. The GEMM is bound there by the operand traffic
     from L2 (~6 TB/s on the H200 at every large shape): splitting the 1.45 waves of Pro wq_a at M = 2048 into
     2.9 half-length ones gained nothing (69.3 -> 68.8 us), while clusters of two CTAs along N multicasting
-    their A tile (a quarter less traffic) took it to 54.2 us and wo_b from 592 to 501 us. Short K loops
-    (< CLUSTER_MIN_KTILES, wq_b) gain nothing from it and stay alone.
+    their A tile (a quarter less traffic) took it to 54.2 us and wo_b from 592 to 501 us. Short K loops (wq_b's
+    12 k-tiles) gained nothing from clusters while each row of tiles streamed all of B; with the grouped raster
+    they do too (H100: Pro wq_b at M = 2048 610 -> 555 us, Flash 254 -> 232 us).
     In decode one row of tiles leaves most SMs idle and each CTA's long K loop bounds the time: the width and
     split with the least estimated time in whole waves, a CTA costing its k-tiles plus CTA_FIXED_KTILES plus
     SPLIT_PART_KTILES a part (Pro wq_a at M = 16: 31 us unsplit, 12.8 us in 8 parts), in clusters of two."""
     k_tiles = k // 128
     if m > SPLIT_MAX_M:
         t = pick_tile_n(m, n, sms)
-        return Fp8Config(t, 1, CLUSTER_N if (n // t) % CLUSTER_N == 0 and k_tiles >= CLUSTER_MIN_KTILES else 1)
+        return Fp8Config(t, 1, CLUSTER_N if (n // t) % CLUSTER_N == 0 else 1)
     best = None
     for t in TILE_NS:
         width = t / 128 / (1.0 if t == 128 else TILE64_RATE)

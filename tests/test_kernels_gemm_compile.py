@@ -203,14 +203,14 @@ def test_gemv_launcher_refuses_what_it_cannot_run():
 def test_fp8_config_fills_the_sms():
     """pick_config on the H200's 132 SMs, the choices measured best there (benchmarks/results/gemm.json): above
     256 rows 64-wide tiles only where 128-wide ones leave most SMs idle, K whole, A shared in clusters of two
-    for K loops of 16 tiles or more; in decode K split until a row of tiles fills the SMs, in clusters."""
+    (the short K loop of wq_b too, measured on an H100 after the grouped raster); in decode K split until a row of tiles fills the SMs, in clusters."""
     pick, C = gemm_fp8.pick_config, gemm_fp8.Fp8Config
     assert pick(2048, 512, 7168, 132) == C(64, 1, 2)    # Pro wkv: 64 CTAs of 128 x 128 -> 128 of 128 x 64
     assert pick(4096, 512, 7168, 132) == C(128, 1, 2)   # 128 CTAs
     assert pick(2048, 1536, 7168, 132) == C(128, 1, 2)  # Pro wq_a: 1.45 waves, 64-wide 2.9; split gains nothing
     assert pick(2048, 7168, 16384, 132) == C(128, 1, 2)  # wo_b: 6.8 waves
     assert pick(4096, 1152, 7168, 132) == C(128, 1, 1)  # 9 tiles along N: no pairs
-    assert pick(2048, 65536, 1536, 132) == C(128, 1, 1)  # wq_b: 12 k-tiles, too short a loop for clusters
+    assert pick(2048, 65536, 1536, 132) == C(128, 1, 2)  # wq_b: 12 k-tiles, in clusters too (grouped raster)
     assert pick(16, 1536, 7168, 132) == C(64, 4, 2)     # decode wq_a: 24 tiles -> 96 CTAs of 14 k-tiles
     assert pick(16, 65536, 1536, 132) == C(128, 1, 2)   # wq_b: 512 tiles fill the SMs
     for m, n, k in ((1, 512, 7168), (16, 7168, 3072), (256, 4096, 8192)):
