@@ -203,7 +203,8 @@ def test_gemv_launcher_refuses_what_it_cannot_run():
 def test_fp8_config_fills_the_sms():
     """pick_config on the H200's 132 SMs, the choices measured best there (benchmarks/results/gemm.json): above
     256 rows 64-wide tiles only where 128-wide ones leave most SMs idle, K whole, A shared in clusters of two
-    (the short K loop of wq_b too, measured on an H100 after the grouped raster); in decode K split until a row of tiles fills the SMs, in clusters."""
+    (the short K loop of wq_b too, measured on an H100 after the grouped raster); in decode K split until a
+    row of tiles fills the SMs, in clusters."""
     pick, C = gemm_fp8.pick_config, gemm_fp8.Fp8Config
     assert pick(2048, 512, 7168, 132) == C(64, 1, 2)    # Pro wkv: 64 CTAs of 128 x 128 -> 128 of 128 x 64
     assert pick(4096, 512, 7168, 132) == C(128, 1, 2)   # 128 CTAs
