@@ -126,6 +126,8 @@ def gather_sum(rows: torch.Tensor, src: torch.Tensor, k: int) -> torch.Tensor:
     """rows bf16 [P, d], src [T * k] row of each (token, slot) -> fp32 [T, d] (MoeGatherSum)."""
     if rows.dtype != torch.bfloat16:
         raise ValueError(f"moe gather-sum takes bf16 rows, not {rows.dtype}")
+    if src.numel() % k:
+        raise ValueError(f"moe gather-sum: {src.numel()} row indices are not whole tokens of {k} slots")
     rows = rows.contiguous()
     src = src.to(torch.int32).contiguous()
     P, d = rows.shape

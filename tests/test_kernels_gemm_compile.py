@@ -181,6 +181,12 @@ def test_invalid_configs_are_refused():
         gemm_w4a16.W4A16Gemv(2, 4, gemm_w4a16.GEMV_MAX_SPLIT + 1)
     with pytest.raises(ValueError, match="warps"):
         gemm_w4a16.W4A16Gemv(2, 4, 2, warps=2)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        moe.MoeGatherSum(7164, 6)
+    with pytest.raises(ValueError, match="bf16 rows"):
+        moe.gather_sum(torch.zeros(4, 64), torch.zeros(4, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="whole tokens of 6"):
+        moe.gather_sum(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32), 6)
 
 
 def test_gemv_launcher_refuses_what_it_cannot_run():
