@@ -288,6 +288,17 @@ def ld_cg_f32x4(addr: Int64):
                                 write_only_types=[Float32] * 4, read_only_args=[addr])
 
 
+def ld_cg_f32(addr: Int64):
+    """One fp32 value by an L2-coherent load."""
+    return cute.arch.inline_ptx("ld.global.cg.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[addr])
+
+
+def ld_acquire_i32(addr: Int64):
+    """A counter written by other CTAs, read with acquire semantics at GPU scope (a flag to spin on)."""
+    return cute.arch.inline_ptx("ld.acquire.gpu.global.b32 {$w0}, [{$r0}];", write_only_types=[Int32],
+                                read_only_args=[addr])
+
+
 def ld_shared_v4(addr: Int32):
     return cute.arch.inline_ptx("ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
                                 write_only_types=[Uint32] * 4, read_only_args=[addr])

@@ -557,15 +557,22 @@ class Checker:
         nbytes = S * M * D * 2 + S * D * 2 + S * (M + M * M) * 4
         k = self.sets(nbytes)
         xs = [_bf16((S, M, D), 1.0, g) for _ in range(k)]
-        y, post, comb = K.hc_pre(xs[0], fn, scale, base, iters, neps, heps)
+        _, post, comb = K.hc_pre(xs[0], fn, scale, base, iters, neps, heps)    # post, comb: the default path
         wy, wpost, wcomb = ref.hc_pre(xs[0].float(), fn, scale, base, iters, neps, heps)
         xa = xs[0].float().abs()
         pre_torch = {"eager": _with_compiled(lambda i: ref.hc_pre(xs[i], fn, scale, base, iters, neps, heps),
                                              lambda i: compiled(ref.hc_pre)(xs[i], fn, scale, base, iters, neps,
                                                                             heps))}
-        self.add(sum_row("hc_pre", "y (weighted stream sum)", _shape(S, M, D), y, wy,
-                         xa.sum(-2)),                         # pre <= 1 + eps
-                 self._bench(lambda i: K.hc_pre(xs[i], fn, scale, base, iters, neps, heps), pre_torch, nbytes))
+        # the whole op by each path the launcher has, side by side: one pass (hc_fused) where the shape allows it
+        paths = {True: "one pass, hc_fused", False: "two kernels"}
+        if not K.fused_fits(D, M, _sms(self.dev)):
+            paths.pop(True)
+        for fused, how in paths.items():
+            self.add(sum_row("hc_pre", f"y (weighted stream sum; {how})", _shape(S, M, D),
+                             K.hc_pre(xs[0], fn, scale, base, iters, neps, heps, fused=fused)[0], wy,
+                             xa.sum(-2)),                     # pre <= 1 + eps
+                     self._bench(lambda i, f=fused: K.hc_pre(xs[i], fn, scale, base, iters, neps, heps, fused=f),
+                                 pre_torch, nbytes))
         self.add(abs_row("hc_pre", "post", _shape(S, M), post, wpost))
         self.add(abs_row("hc_pre", "comb (Sinkhorn)", _shape(S, M, M), comb, wcomb))
         from dsv4_references.mhc import _mixes
@@ -613,10 +620,17 @@ class Checker:
                                                                               heps))}
         want = ref.hc_head(xs[0].float(), hfn, hscale, hbase, neps, heps)
         mixes_row("hc_head", hfn)
-        got = K.hc_head(xs[0], hfn, hscale, hbase, neps, heps)
-        self.add(sum_row("hc_head", "y", _shape(S, M, D), got, want, xa.sum(-2)),
-                 self._bench(lambda i: K.hc_head(xs[i], hfn, hscale, hbase, neps, heps), head_torch,
-                             S * M * D * 2 + S * D * 2))
+        for fused, how in paths.items():
+            self.add(sum_row("hc_head", f"y ({how})", _shape(S, M, D),
+                             K.hc_head(xs[0], hfn, hscale, hbase, neps, heps, fused=fused), want, xa.sum(-2)),
+                     self._bench(lambda i, f=fused: K.hc_head(xs[i], hfn, hscale, hbase, neps, heps, fused=f),
+                                 head_torch, S * M * D * 2 + S * D * 2))
+
+
+def _sms(dev) -> int:
+    """SMs of the device the check runs on (0 for the CPU dry run)."""
+    dev = torch.device(dev)
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
 
 
 def _abs_amax(t):

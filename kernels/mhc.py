@@ -1,6 +1,7 @@
 """mHC (manifold-constrained hyper-connections): Block.hc_pre and hc_post (dsv4_references.mhc).
 
-hc_pre is two kernels:
+hc_pre (and hc_head) run as one kernel where the shape allows, `hc_fused` (see HcFused: x read once, the
+parts of a persistent grid waiting for each other's mixes), else as two:
 - `hc_mix`: mixes[s, n] = (x_s . fn_n) * rsqrt(mean(x_s^2) + eps) over all M*D features of the M streams
   (the reference's F.linear in fp32). A skinny GEMM (N = (2+M)*M = 24 columns) on tensor cores: fn is split
   into bf16 hi + lo (fn = hi + lo to ~2^-17 relative), so that mma.sync m16n8k16 on bf16 x gives fp32
@@ -29,6 +30,8 @@ from ._common import (
     fake_ptr,
     fake_stream,
     last_split_part,
+    ld_acquire_i32,
+    ld_cg_f32,
     ld_cg_f32x4,
     ld_shared_v4,
     mma_bf16_16816,
@@ -46,6 +49,9 @@ MIX_WARPS = 4
 MIX_MTILES = 2          # 16-token MMA tiles a warp
 MIX_TOKENS = 16 * MIX_MTILES * MIX_WARPS
 MAX_PARTS = 32
+PART_D = 256            # hc_fused: features of each stream one CTA owns (4 chunks a stream)
+FUSED_TOKENS = 16       # hc_fused: tokens of a tile (one MMA row tile)
+FUSED_BUFS = 3          # hc_fused: x tiles on chip: mixing, waiting for the other parts, loading
 
 
 def mix_lane_values(nmix: int) -> int:
@@ -83,16 +89,101 @@ def bf16x2_square_sum(w: Uint32, acc: Float32) -> Float32:
         write_only_types=[Float32], read_only_args=[w, acc])
 
 
+def mix_chunk(x0, f0, mtiles: int, nmix: int, g, q, acc, ss):
+    """One 64-feature chunk of the mixes for a warp's `mtiles` 16-token tiles (trace-time helper): x rows of
+    CHUNK bf16 from shared byte address x0 (16-byte pieces XOR-swizzled by row parity), fn rows of FN_ROW fp32
+    from f0. Within a 32-feature block lane (g, q) takes features 8q..8q+7 of x rows g and g + 8 and of fn rows
+    g (+8 a column tile); k-step s (two a block) uses features 8q+4s+{0,1} as the fragment's columns 2q, 2q+1
+    and 8q+4s+{2,3} as 2q+8, 2q+9. The chunk's MMAs go to a fresh accumulator, added to acc in IEEE fp32: the
+    tensor core's own accumulation truncates (on the H200 a whole-K accumulator drifted to 3.8e-5 on the Pro
+    mixes, 4x the error of the bf16 hi + lo split of fn). ss gets the rows' sums of squares (2 a tile)."""
+    nt = -(-nmix // 8)
+    part = [None] * (mtiles * nt * 4)
+    for b in range(2):
+        xw = []                                            # [tile][row g, g + 8]: 4 words = 8 features
+        for t in range(mtiles):
+            piece = (4 * b + q) ^ ((g % 2) * 4)            # the rows' parity is g's
+            xw.append([ld_shared_v4(x0 + ((16 * t + 8 * h + g) * CHUNK + 8 * piece) * 2) for h in range(2)])
+        hi, lo = [], []                                    # [column tile]: 4 words each
+        for j in range(nt):
+            n = 8 * j + g if const_expr(8 * j + 8 <= nmix) else cutlass.min(8 * j + g, nmix - 1)
+            base = f0 + (n * FN_ROW + 32 * b + 8 * q) * 4
+            f = list(ld_shared_v4(base)) + list(ld_shared_v4(base + 16))
+            pairs = [split_bf16x2(f[2 * p], f[2 * p + 1]) for p in range(4)]
+            hi.append([w[0] for w in pairs])
+            lo.append([w[1] for w in pairs])
+        for s in range(2):
+            for t in range(mtiles):
+                a = (xw[t][0][2 * s], xw[t][1][2 * s], xw[t][0][2 * s + 1], xw[t][1][2 * s + 1])
+                for j in range(nt):
+                    i0 = (t * nt + j) * 4
+                    c = tuple(part[i0 + e] for e in range(4)) if b + s else (Float32(0.0),) * 4
+                    c = mma_bf16_16816(a, (hi[j][2 * s], hi[j][2 * s + 1]), c)
+                    c = mma_bf16_16816(a, (lo[j][2 * s], lo[j][2 * s + 1]), c)
+                    part[i0:i0 + 4] = c
+        for t in range(mtiles):
+            for h in range(2):
+                v = ss[2 * t + h]
+                for e in range(4):
+                    v = bf16x2_square_sum(xw[t][h][e], v)
+                ss[2 * t + h] = v
+    for i in range(len(part)):
+        acc[i] = acc[i] + part[i]
+
+
+def sinkhorn_lane(c, zp, iters: int, hc_eps):
+    """split_sinkhorn on 16 lanes a token (trace-time helper): lane e = 4j + k holds comb logit [j, k] in c and
+    the post logit of stream e % 4 in zp; row sums over k and column sums over j by butterfly shuffles, all in
+    registers. -> (post, the lane's doubly stochastic comb entry)."""
+    post = Float32(2.0) / (Float32(1.0) + cute.math.exp(-zp))
+    mx = c
+    for off in (1, 2):                                              # row max over k
+        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=off))
+    c = cute.math.exp(c - mx)
+    rs = c
+    for off in (1, 2):
+        rs = rs + cute.arch.shuffle_sync_bfly(rs, offset=off)
+    c = c / rs + hc_eps
+    cs = c
+    for off in (4, 8):                                              # column sum over j
+        cs = cs + cute.arch.shuffle_sync_bfly(cs, offset=off)
+    c = c / (cs + hc_eps)
+    for _ in range(iters - 1):
+        rs = c
+        for off in (1, 2):
+            rs = rs + cute.arch.shuffle_sync_bfly(rs, offset=off)
+        c = c / (rs + hc_eps)
+        cs = c
+        for off in (4, 8):
+            cs = cs + cute.arch.shuffle_sync_bfly(cs, offset=off)
+        c = c / (cs + hc_eps)
+    return post, c
+
+
+def bf16x2_to_f32(w: Uint32):
+    """The two bf16 values of a word as fp32 (lower half first)."""
+    return cute.arch.inline_ptx("{ shl.b32 {$w0}, {$r0}, 16; and.b32 {$w1}, {$r0}, 0xffff0000; }",
+                                write_only_types=[Float32, Float32], read_only_args=[w])
+
+
+def f32x2_to_bf16x2(lo: Float32, hi: Float32) -> Uint32:
+    return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};", write_only_types=[Uint32],
+                                read_only_args=[lo, hi])
+
+
+def st_global_f32(addr: Int64, v: Float32):
+    cute.arch.inline_ptx("st.global.f32 [{$r0}], {$r1};", read_only_args=[addr, v])
+
+
+def st_global_u32x4(addr: Int64, words: list):
+    cute.arch.inline_ptx("st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[addr, *words])
+
+
 class HcMix:
     """x bf16 [S, K], fn fp32 [nmix, K] -> mixes fp32 [S, nmix]; K split in `parts` (workspace + tickets).
 
     Grid (ceil(S / 128), parts). Warp w of a CTA owns tokens 32w..32w+31 (two MMA tiles) and walks its CTA's
-    K range with the others, chunk by chunk through shared memory. Within a 32-feature block the features are
-    permuted the same way for x and fn, so that a lane reads 16 contiguous bytes of each row it needs: lane
-    (g, q) takes features 8q..8q+7 of x rows g and g + 8 and of fn rows g (+8 a column tile); k-step s (two a
-    block) uses features 8q+4s+{0,1} as the fragment's columns 2q, 2q+1 and 8q+4s+{2,3} as 2q+8, 2q+9. x rows
-    are stored with their 16-byte pieces XOR-swizzled by row parity, so the 8 lanes of a shared-memory phase
-    (rows g, g + 1, pieces q) hit distinct banks. Sums of squares come from the same x words.
+    K range with the others, chunk by chunk through shared memory (`mix_chunk`).
     """
 
     def __init__(self, K: int, nmix: int = 24, parts: int = 1, stages: int = STAGES):
@@ -142,47 +233,6 @@ class HcMix:
                 src = fn_ptr.toint() + Int64(n * self.K + c * CHUNK + v * 4) * 4
                 cp_async_16(sf + ((stage * self.nmix + n) * FN_ROW + v * 4) * 4, src, Int32(16))
 
-    # trace-time helper (plain Python loops unroll while tracing)
-    def compute_stage(self, sx, sf, stage, warp, g, q, acc, ss):
-        """The stage's 8 MMAs a C fragment go to a fresh accumulator, added to acc in IEEE fp32: the tensor
-        core's own accumulation truncates (on the H200 a whole-K accumulator drifted to 3.8e-5 on the Pro
-        mixes, 4x the error of the bf16 hi + lo split of fn)."""
-        part = [None] * (MIX_MTILES * self.nt * 4)
-        for b in range(2):
-            xw = []                                        # [tile][row g, g + 8]: 4 words = 8 features
-            for t in range(MIX_MTILES):
-                rows = []
-                for h in range(2):
-                    r = warp * 16 * MIX_MTILES + 16 * t + 8 * h + g
-                    piece = (4 * b + q) ^ ((g % 2) * 4)           # rows r and g share parity
-                    rows.append(ld_shared_v4(sx + ((stage * MIX_TOKENS + r) * CHUNK + 8 * piece) * 2))
-                xw.append(rows)
-            hi, lo = [], []                                # [column tile]: 4 words each
-            for j in range(self.nt):
-                n = 8 * j + g if const_expr(8 * j + 8 <= self.nmix) else cutlass.min(8 * j + g, self.nmix - 1)
-                base = sf + ((stage * self.nmix + n) * FN_ROW + 32 * b + 8 * q) * 4
-                f = list(ld_shared_v4(base)) + list(ld_shared_v4(base + 16))
-                pairs = [split_bf16x2(f[2 * p], f[2 * p + 1]) for p in range(4)]
-                hi.append([w[0] for w in pairs])
-                lo.append([w[1] for w in pairs])
-            for s in range(2):
-                for t in range(MIX_MTILES):
-                    a = (xw[t][0][2 * s], xw[t][1][2 * s], xw[t][0][2 * s + 1], xw[t][1][2 * s + 1])
-                    for j in range(self.nt):
-                        i0 = (t * self.nt + j) * 4
-                        c = tuple(part[i0 + e] for e in range(4)) if b + s else (Float32(0.0),) * 4
-                        c = mma_bf16_16816(a, (hi[j][2 * s], hi[j][2 * s + 1]), c)
-                        c = mma_bf16_16816(a, (lo[j][2 * s], lo[j][2 * s + 1]), c)
-                        part[i0:i0 + 4] = c
-            for t in range(MIX_MTILES):
-                for h in range(2):
-                    v = ss[2 * t + h]
-                    for e in range(4):
-                        v = bf16x2_square_sum(xw[t][h][e], v)
-                    ss[2 * t + h] = v
-        for i in range(len(part)):
-            acc[i] = acc[i] + part[i]
-
     @cute.kernel
     def kernel(self, x_ptr: cute.Pointer, fn_ptr: cute.Pointer, mO: cute.Tensor, ws_ptr: cute.Pointer,
                ticket_ptr: cute.Pointer, S: Int32, eps: Float32):
@@ -213,7 +263,9 @@ class HcMix:
                 nxt = c + self.stages - 1
                 self.load_stage(x_ptr, fn_ptr, sx, sf, tidx, S, tok0, c0 + nxt, nxt % self.stages)
             cute.arch.cp_async_commit_group()
-            self.compute_stage(sx, sf, c % self.stages, warp, g, q, acc, ss)
+            stage = c % self.stages
+            mix_chunk(sx + ((stage * MIX_TOKENS + warp * 16 * MIX_MTILES) * CHUNK) * 2,
+                      sf + stage * self.nmix * FN_ROW * 4, MIX_MTILES, self.nmix, g, q, acc, ss)
         cute.arch.cp_async_wait_group(0)
 
         # ---- K parts: summed in part order by the warp that completes the 32-token tile
@@ -308,29 +360,7 @@ class HcPreApply:
         pre = Float32(1.0) / (Float32(1.0) + cute.math.exp(-(mMix[m4, tok_c] * mScale[0] + mBase[m4]))) + hc_eps
         if const_expr(not self.head):
             zp = mMix[M + m4, tok_c] * mScale[1] + mBase[M + m4]
-            post = Float32(2.0) / (Float32(1.0) + cute.math.exp(-zp))
-            c = mMix[2 * M + e, tok_c] * mScale[2] + mBase[2 * M + e]
-            mx = c
-            for off in (1, 2):                                          # row max over k
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=off))
-            c = cute.math.exp(c - mx)
-            rs = c
-            for off in (1, 2):
-                rs = rs + cute.arch.shuffle_sync_bfly(rs, offset=off)
-            c = c / rs + hc_eps
-            cs = c
-            for off in (4, 8):                                          # column sum over j
-                cs = cs + cute.arch.shuffle_sync_bfly(cs, offset=off)
-            c = c / (cs + hc_eps)
-            for _ in cutlass.range_constexpr(self.iters - 1):
-                rs = c
-                for off in (1, 2):
-                    rs = rs + cute.arch.shuffle_sync_bfly(rs, offset=off)
-                c = c / (rs + hc_eps)
-                cs = c
-                for off in (4, 8):
-                    cs = cs + cute.arch.shuffle_sync_bfly(cs, offset=off)
-                c = c / (cs + hc_eps)
+            post, c = sinkhorn_lane(mMix[2 * M + e, tok_c] * mScale[2] + mBase[2 * M + e], zp, self.iters, hc_eps)
             if tok < S:
                 mComb[e, tok] = c
                 if e < M:
@@ -355,6 +385,243 @@ class HcPreApply:
                 rY = cute.make_rmem_tensor((8,), BFloat16)
                 rY.store(y.to(BFloat16))
                 cute.autovec_copy(rY, mY[None, v, tok2])
+
+
+class HcFused:
+    """hc_pre (or hc_head, head=True) in one pass over x: x bf16 [S, M, D], fn fp32 [nmix, M*D], scale, base
+    -> y bf16 [S, D] (and post fp32 [S, M], comb fp32 [S, M, M]).
+
+    The two-kernel path reads x twice (235 MB at Pro shapes, more than L2), since a token's mixes need its
+    whole 4 x D row before its weighted sum can start. Here the grid is persistent and cooperative: CTA
+    (part p, slot s) owns features [256p, 256p + 256) of every stream and keeps its slice of fn in shared
+    memory for the whole launch (104 KB at 24 mixes); it walks the 16-token tiles s, s + slots, ... holding
+    each tile's x slice (32 KB) on chip until the tile's mixes are known. Per tile: warp m mixes stream m's 4
+    chunks (`mix_chunk`), the warps' partials are summed in warp order and stored as the part's record
+    [16 tokens, nmix + sum of squares]; an arrival counter counts the parts. A tile is applied one tile later
+    (three x buffers: mixing, waiting, loading), so the parts' arrivals overlap the next tile's mixing: thread
+    0 spins until all parts have arrived, every thread sums the pre mixes over the parts in part order (so
+    every part derives the same weights), and the CTA writes y for its features. Part (tile % parts) also sums
+    the whole records and runs the Sinkhorn (`sinkhorn_lane`) for post and comb. Each part counts again once
+    past the spin; the last of those resets the counter, so the zeroed counters are left zero.
+
+    All CTAs must be resident at once (they wait for each other): the grid is parts x slots <= the SM count,
+    one 200 KB CTA an SM. Bits differ from the two-kernel path (partials are summed per 256 features), within
+    the same fp32 tolerance of the reference.
+    """
+
+    def __init__(self, D: int, M: int = 4, iters: int = 20, head: bool = False):
+        if M != 4:
+            raise ValueError("hc_fused is written for hc_mult = 4 (a warp a stream, 16 lanes a token)")
+        if D % PART_D:
+            raise ValueError(f"hc_fused: D={D} must be a multiple of {PART_D}")
+        self.D, self.M, self.iters, self.head = D, M, iters, head
+        self.nmix = M if head else (2 + M) * M
+        self.nt = -(-self.nmix // 8)
+        self.parts = D // PART_D
+        self.cps = PART_D // CHUNK                         # chunks of a stream in a part
+        self.nc = M * self.cps                             # chunks of a part
+        self.rec = -(-(self.nmix + 1) // 8) * 8            # fp32 a token in a record: the mixes, then the sum of squares
+        self.nv = self.nt * 4 + 2                          # a lane's partial: C fragment values, 2 sums of squares
+        self.threads = 32 * M
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, fn_ptr: cute.Pointer, scale_ptr: cute.Pointer, base_ptr: cute.Pointer,
+                 y_ptr: cute.Pointer, post_ptr: cute.Pointer, comb_ptr: cute.Pointer, rec_ptr: cute.Pointer,
+                 cnt_ptr: cute.Pointer, S: Int32, slots: Int32, norm_eps: Float32, hc_eps: Float32, stream):
+        M = self.M
+        mScale = cute.make_tensor(scale_ptr, cute.make_layout((3,)))
+        mBase = cute.make_tensor(base_ptr, cute.make_layout((self.nmix,)))
+        mPost = cute.make_tensor(post_ptr, cute.make_layout((M, S), stride=(1, M)))
+        mComb = cute.make_tensor(comb_ptr, cute.make_layout((M * M, S), stride=(1, M * M)))
+
+        @cute.struct
+        class Storage:
+            sF: cute.struct.Align[cute.struct.MemRange[Float32, self.nc * self.nmix * FN_ROW], 128]
+            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, FUSED_BUFS * self.nc * FUSED_TOKENS * CHUNK], 128]
+            sRed: cute.struct.Align[cute.struct.MemRange[Float32, (M - 1) * 32 * self.nv], 16]
+            sPre: cute.struct.Align[cute.struct.MemRange[Float32, M * FUSED_TOKENS], 16]
+
+        self.storage = Storage
+        self.kernel(x_ptr, fn_ptr, mScale, mBase, y_ptr, mPost, mComb, rec_ptr, cnt_ptr, S, slots, norm_eps,
+                    hc_eps).launch(grid=[self.parts, slots, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.jit
+    def load_fn(self, fn_ptr: cute.Pointer, sf: Int32, tidx: Int32, part: Int32):
+        """The part's fn columns, chunk c = stream m, chunk k of the part: [c][n][FN_ROW] fp32."""
+        pieces = self.nc * self.nmix * (CHUNK // 4)
+        for i in cutlass.range(-(-pieces // self.threads), unroll=4):
+            piece = tidx + i * self.threads
+            if piece < pieces:
+                c = piece // (self.nmix * (CHUNK // 4))
+                n = piece // (CHUNK // 4) % self.nmix
+                v = piece % (CHUNK // 4)
+                col = (c // self.cps) * self.D + part * PART_D + (c % self.cps) * CHUNK + v * 4
+                cp_async_16(sf + ((c * self.nmix + n) * FN_ROW + v * 4) * 4,
+                            fn_ptr.toint() + Int64(n * self.M * self.D + col) * 4, Int32(16))
+
+    @cute.jit
+    def load_tile(self, x_ptr: cute.Pointer, sx: Int32, tidx: Int32, S: Int32, part: Int32, tile: Int32,
+                  buf: Int32):
+        """x of the tile's 16 tokens over the part's features -> buffer buf, [c][token][CHUNK] bf16, pieces
+        swizzled by token parity (rows past S clamped: their results are never stored)."""
+        for i in cutlass.range_constexpr(self.nc * FUSED_TOKENS * 8 // self.threads):
+            piece = tidx + i * self.threads
+            c = piece // (FUSED_TOKENS * 8)
+            r = piece // 8 % FUSED_TOKENS
+            v = piece % 8
+            tok = cutlass.min(tile * FUSED_TOKENS + r, S - 1)
+            col = (c // self.cps) * self.D + part * PART_D + (c % self.cps) * CHUNK + v * 8
+            cp_async_16(sx + (((buf * self.nc + c) * FUSED_TOKENS + r) * CHUNK + 8 * (v ^ ((r % 2) * 4))) * 2,
+                        x_ptr.toint() + Int64(tok * self.M * self.D + col) * 2, Int32(16))
+
+    @cute.kernel
+    def kernel(self, x_ptr: cute.Pointer, fn_ptr: cute.Pointer, mScale: cute.Tensor, mBase: cute.Tensor,
+               y_ptr: cute.Pointer, mPost: cute.Tensor, mComb: cute.Tensor, rec_ptr: cute.Pointer,
+               cnt_ptr: cute.Pointer, S: Int32, slots: Int32, norm_eps: Float32, hc_eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        part, slot, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        st = SmemAllocator().allocate(self.storage)
+        sf = st.sF.data_ptr().toint()
+        sx = st.sX.data_ptr().toint()
+        sRed = st.sRed.get_tensor(cute.make_layout((self.nv, 32, self.M - 1)))
+        sPre = st.sPre.get_tensor(cute.make_layout((self.M, FUSED_TOKENS)))
+        mine = (cute.ceil_div(S, FUSED_TOKENS) - slot + slots - 1) // slots      # tiles of this slot
+
+        self.load_fn(fn_ptr, sf, tidx, part)
+        self.load_tile(x_ptr, sx, tidx, S, part, slot, Int32(0))
+        cute.arch.cp_async_commit_group()
+        if mine > 1:
+            self.load_tile(x_ptr, sx, tidx, S, part, slot + slots, Int32(1))
+        cute.arch.cp_async_commit_group()
+        for i in cutlass.range(mine + 1):
+            if i < mine:
+                cute.arch.cp_async_wait_group(1)           # tile i has landed (this thread's pieces) ...
+                cute.arch.barrier()                        # ... and everyone's
+                self.mix(sf, sx, sRed, rec_ptr, cnt_ptr, slot + i * slots, i % FUSED_BUFS, part, warp, lane)
+            if i > 0:
+                self.apply(sx, sPre, mScale, mBase, y_ptr, mPost, mComb, rec_ptr, cnt_ptr, S,
+                           slot + (i - 1) * slots, (i - 1) % FUSED_BUFS, part, tidx, lane, norm_eps, hc_eps)
+            cute.arch.barrier()                            # buffer (i - 1) % 3 is free again
+            if i + 2 < mine:
+                self.load_tile(x_ptr, sx, tidx, S, part, slot + (i + 2) * slots, (i + 2) % FUSED_BUFS)
+            cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def mix(self, sf: Int32, sx: Int32, sRed: cute.Tensor, rec_ptr: cute.Pointer, cnt_ptr: cute.Pointer,
+            tile: Int32, buf: Int32, part: Int32, warp: Int32, lane: Int32):
+        """The part's partial mixes of the tile, summed over the warps in warp order -> its record
+        [token][mixes, sum of squares]; then counts the part in."""
+        g = lane // 4
+        q = lane % 4
+        acc = cute.make_rmem_tensor((self.nv,), Float32)
+        acc.fill(0.0)
+        ss = cute.make_rmem_tensor((2,), Float32)
+        ss.fill(0.0)
+        for k in cutlass.range_constexpr(self.cps):
+            c = warp * self.cps + k                        # warp m: stream m
+            mix_chunk(sx + ((buf * self.nc + c) * FUSED_TOKENS) * CHUNK * 2, sf + c * self.nmix * FN_ROW * 4,
+                      1, self.nmix, g, q, acc, ss)
+        acc[self.nv - 2] = ss[0]
+        acc[self.nv - 1] = ss[1]
+        if warp > 0:
+            for i in cutlass.range_constexpr(self.nv):
+                sRed[i, lane, warp - 1] = acc[i]
+        cute.arch.barrier()
+        if warp == 0:
+            for w in cutlass.range_constexpr(self.M - 1):
+                for i in cutlass.range_constexpr(self.nv):
+                    acc[i] = acc[i] + sRed[i, lane, w]
+            rec = rec_ptr.toint() + Int64(tile * self.parts + part) * (FUSED_TOKENS * self.rec * 4)
+            for h in cutlass.range_constexpr(2):            # C value 4j + 2h + e: token 8h + g, column 8j + 2q + e
+                row = rec + (8 * h + g) * (self.rec * 4)
+                for j in cutlass.range_constexpr(self.nt):
+                    for e in cutlass.range_constexpr(2):
+                        col = 8 * j + 2 * q + e
+                        if col < self.nmix:
+                            st_global_f32(row + col * 4, acc[4 * j + 2 * h + e])
+                sq = acc[self.nv - 2 + h]
+                for off in (1, 2):                         # the quad's 4 lanes hold a row's sum in parts
+                    sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=off)
+                if q == 0:
+                    st_global_f32(row + self.nmix * 4, sq)
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.atomic_add(cnt_ptr + tile, Int32(1), sem="acq_rel", scope="gpu")
+
+    @cute.jit
+    def record_sum(self, rec_ptr: cute.Pointer, tile: Int32, tok: Int32, col: Int32):
+        """Value col of token tok summed over the tile's part records in part order (L2-coherent loads)."""
+        first = rec_ptr.toint() + Int64(tile * self.parts * FUSED_TOKENS + tok) * (self.rec * 4) + col * 4
+        v = ld_cg_f32(first)
+        for p in cutlass.range(1, self.parts, unroll=4):
+            v = v + ld_cg_f32(first + Int64(p) * (FUSED_TOKENS * self.rec * 4))
+        return v
+
+    @cute.jit
+    def apply(self, sx: Int32, sPre: cute.Tensor, mScale: cute.Tensor, mBase: cute.Tensor,
+              y_ptr: cute.Pointer, mPost: cute.Tensor, mComb: cute.Tensor, rec_ptr: cute.Pointer,
+              cnt_ptr: cute.Pointer, S: Int32, tile: Int32, buf: Int32, part: Int32, tidx: Int32, lane: Int32,
+              norm_eps: Float32, hc_eps: Float32):
+        """Once every part has counted in: the tile's pre weights, y over the part's features, and (part
+        tile % parts) post and comb."""
+        M = self.M
+        if tidx == 0:
+            cnt = cnt_ptr.toint() + Int64(tile) * 4
+            seen = ld_acquire_i32(cnt)
+            while seen < self.parts:
+                seen = ld_acquire_i32(cnt)
+            if cute.arch.atomic_add(cnt_ptr + tile, Int32(1), sem="relaxed", scope="gpu") == 2 * self.parts - 1:
+                cute.make_tensor(cnt_ptr + tile, cute.make_layout(1))[0] = Int32(0)    # the last one past: reset
+        cute.arch.barrier()
+        inv_k = Float32(1.0 / (M * self.D))
+        # ---- pre weights: 8 lanes a token, lane e < M a pre mix, lane M the sum of squares
+        tok = tidx // 8
+        e = tidx % 8
+        col = cutlass.min(e, M)
+        v = self.record_sum(rec_ptr, tile, tok, col + (self.nmix - M) * (col // M))
+        sq = cute.arch.shuffle_sync(v, (lane // 8) * 8 + M)
+        rstd = cute.math.rsqrt(sq * inv_k + norm_eps)
+        if e < M:
+            sPre[e, tok] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-(v * rstd * mScale[0] + mBase[e]))) + hc_eps
+        cute.arch.barrier()
+        # ---- y = sum_m pre_m x_m: 16 tokens x 32 vectors of 8 features
+        for it in cutlass.range_constexpr(FUSED_TOKENS * (PART_D // 8) // self.threads):
+            idx = it * self.threads + tidx
+            t = idx // (PART_D // 8)
+            v8 = idx % (PART_D // 8)
+            k = v8 // 8
+            piece = (v8 % 8) ^ ((t % 2) * 4)
+            y = [Float32(0.0)] * 8
+            for m in cutlass.range_constexpr(M):
+                w = ld_shared_v4(sx + (((buf * self.nc + m * self.cps + k) * FUSED_TOKENS + t) * CHUNK + 8 * piece) * 2)
+                pm = sPre[m, t]
+                for p in cutlass.range_constexpr(4):
+                    lo, hi = bf16x2_to_f32(w[p])
+                    y[2 * p] = lo * pm if m == 0 else y[2 * p] + lo * pm
+                    y[2 * p + 1] = hi * pm if m == 0 else y[2 * p + 1] + hi * pm
+            gtok = tile * FUSED_TOKENS + t
+            if gtok < S:
+                st_global_u32x4(y_ptr.toint() + Int64(gtok * self.D + part * PART_D + v8 * 8) * 2,
+                                [f32x2_to_bf16x2(y[2 * p], y[2 * p + 1]) for p in range(4)])
+        # ---- post and comb of the tile's tokens, by one part: 16 lanes a token, 8 tokens a round
+        if const_expr(not self.head):                      # noqa: SIM102 (a trace-time if around a run-time one)
+            if tile % self.parts == part:
+                for r in cutlass.range_constexpr(FUSED_TOKENS * M * M // self.threads):
+                    tok = r * (self.threads // (M * M)) + tidx // (M * M)
+                    e = tidx % (M * M)
+                    sq = self.record_sum(rec_ptr, tile, tok, Int32(self.nmix))
+                    rstd = cute.math.rsqrt(sq * inv_k + norm_eps)
+                    zp = self.record_sum(rec_ptr, tile, tok, M + e % M) * rstd * mScale[1] + mBase[M + e % M]
+                    zc = self.record_sum(rec_ptr, tile, tok, 2 * M + e) * rstd * mScale[2] + mBase[2 * M + e]
+                    post, c = sinkhorn_lane(zc, zp, self.iters, hc_eps)
+                    gtok = tile * FUSED_TOKENS + tok
+                    if gtok < S:
+                        mComb[e, gtok] = c
+                        if e < M:
+                            mPost[e, gtok] = post
 
 
 class HcPost:
@@ -421,6 +688,13 @@ def _build_apply(D: int, M: int = 4, iters: int = 20, head: bool = False):
                                      fake_ptr(Float32, 4), Int32(1), Float32(1e-6), fake_stream())
 
 
+def _build_fused(D: int, M: int = 4, iters: int = 20, head: bool = False):
+    f32 = fake_ptr(Float32, 4)
+    return HcFused(D, M, iters, head), (fake_ptr(BFloat16), fake_ptr(Float32), f32, f32, fake_ptr(BFloat16), f32,
+                                        f32, f32, fake_ptr(Int32, 4), Int32(1), Int32(1), Float32(1e-6),
+                                        Float32(1e-6), fake_stream())
+
+
 def _build_post(D: int, M: int = 4):
     return HcPost(D, M), (fake_ptr(BFloat16), fake_ptr(BFloat16), fake_ptr(Float32), fake_ptr(Float32),
                           fake_ptr(BFloat16), Int32(1), fake_stream())
@@ -435,6 +709,12 @@ register(KernelDef("hc_pre_apply", "mhc", BOTH, _build_apply,
                    configs=({"D": 7168, "M": 4, "iters": 20}, {"D": 4096, "M": 4, "iters": 20},
                             {"D": 7168, "M": 4, "iters": 0, "head": True}, {"D": 4096, "M": 4, "iters": 0, "head": True}),
                    doc="mHC pre: sigmoid, softmax + Sinkhorn (shuffles), weighted stream sum (and hc_head)"))
+register(KernelDef("hc_fused", "mhc", BOTH, _build_fused,
+                   configs=({"D": 7168, "M": 4, "iters": 20}, {"D": 4096, "M": 4, "iters": 20},
+                            {"D": 7168, "M": 4, "iters": 0, "head": True}, {"D": 4096, "M": 4, "iters": 0, "head": True}),
+                   ci_configs=({"D": 7168, "M": 4, "iters": 20}, {"D": 7168, "M": 4, "iters": 0, "head": True}),
+                   doc="mHC pre / head in one pass: persistent parts x slots grid, fn slice resident, x tile held "
+                       "until every part's mixes are in"))
 register(KernelDef("hc_post", "mhc", BOTH, _build_post, configs=({"D": 7168, "M": 4}, {"D": 4096, "M": 4}),
                    doc="mHC post: post * a + comb^T . residual"))
 
@@ -465,12 +745,52 @@ def hc_mixes(x, fn, eps: float, parts: int | None = None, stages: int = STAGES):
     return out
 
 
-def hc_pre(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float):
+def fused_fits(D: int, M: int, sms: int) -> bool:
+    """hc_fused takes the shape: 4 streams, D in whole 256-feature parts, one CTA a part within the SMs."""
+    return M == 4 and D % PART_D == 0 and D // PART_D <= sms
+
+
+def hc_fused(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, head: bool = False):
+    """hc_pre (head=False: -> y, post, comb) or hc_head (-> y) in one launch of hc_fused; x [S, M, D] bf16."""
+    import torch
+    S, M, D = x.shape
+    sms = sm_count(x.device)
+    if not fused_fits(D, M, sms):
+        raise ValueError(f"hc_fused takes M = 4 and D a multiple of {PART_D} with D / {PART_D} <= {sms} SMs "
+                         f"(got M={M}, D={D})")
+    check_numel(x)
+    fn = fn.to(device=x.device, dtype=torch.float32).contiguous()
+    scale = scale.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
+    base = base.to(device=x.device, dtype=torch.float32).contiguous()
+    y = torch.empty(S, D, dtype=torch.bfloat16, device=x.device)
+    post = torch.empty(S, M, dtype=torch.float32, device=x.device)
+    comb = torch.empty(S, M, M, dtype=torch.float32, device=x.device)
+    if S:
+        k = HcFused(D, M, iters, head)
+        tiles = -(-S // FUSED_TOKENS)
+        slots = min(sms // k.parts, tiles)
+        rec = scratch("hc_fused_records", x.device, tiles * k.parts * FUSED_TOKENS * k.rec, torch.float32)
+        counters = scratch("hc_fused_counters", x.device, tiles, torch.int32)
+        f = compile_kernel("hc_fused", device_arch(x.device), D=D, M=M, iters=iters, head=head)
+        f(ptr(x), ptr(fn), ptr(scale, Float32, 4), ptr(base, Float32, 4), ptr(y), ptr(post, Float32, 4),
+          ptr(comb, Float32, 4), ptr(rec, Float32, 4), ptr(counters, Int32, align=4), Int32(S), Int32(slots),
+          Float32(norm_eps), Float32(hc_eps), current_stream())
+    return y if head else (y, post, comb)
+
+
+def _fused(x, fused: bool | None) -> bool:
+    """None: hc_fused wherever it takes the shape, else the two kernels (hc_mix, then hc_pre_apply)."""
+    return fused if fused is not None else fused_fits(x.size(2), x.size(1), sm_count(x.device))
+
+
+def hc_pre(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, fused: bool | None = None):
     """x [S, M, D] bf16 streams -> (y [S, D] bf16, post [S, M] fp32, comb [S, M, M] fp32)."""
     import torch
     if x.dtype != torch.bfloat16 or x.dim() != 3:
         raise ValueError("hc_pre kernel takes x [S, M, D] bf16")
     x = x.contiguous()
+    if _fused(x, fused):
+        return hc_fused(x, fn, scale, base, iters, norm_eps, hc_eps)
     return hc_pre_apply(x, hc_mixes(x, fn, norm_eps), scale, base, iters, hc_eps)
 
 
@@ -491,12 +811,14 @@ def hc_pre_apply(x, mixes, scale, base, iters: int, hc_eps: float):
     return y, post, comb
 
 
-def hc_head(x, fn, scale, base, norm_eps: float, hc_eps: float):
+def hc_head(x, fn, scale, base, norm_eps: float, hc_eps: float, fused: bool | None = None):
     """ParallelHead.hc_head: x [S, M, D] bf16 -> [S, D] bf16 (sigmoid-weighted stream sum, no Sinkhorn)."""
     import torch
     if x.dtype != torch.bfloat16 or x.dim() != 3:
         raise ValueError("hc_head kernel takes x [S, M, D] bf16")
     x = x.contiguous()
+    if _fused(x, fused):
+        return hc_fused(x, fn, scale, base, 0, norm_eps, hc_eps, head=True)
     S, M, D = x.shape
     mixes = hc_mixes(x, fn, norm_eps)
     scale = scale.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()

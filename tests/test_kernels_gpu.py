@@ -67,6 +67,40 @@ def test_hc_mix_parts_agree_with_fp32_reference(K, nmix, S):
         assert torch.equal(got, mhc.hc_mixes(x, fn, 1e-6, parts=parts)), parts
 
 
+@pytest.mark.parametrize("D", [256, 4096])
+@pytest.mark.parametrize("S", [1, 17, 300, 2100])
+def test_hc_fused_agrees_with_the_reference_and_the_two_kernels(D, S):
+    """hc_fused (one pass, parts waiting for each other's mixes) against the fp32 reference: y within bf16
+    rounding, post and comb within 1e-4, no NaN, the same bits on a second launch (parts summed in order), hc_head
+    too; its counters are left zero; and the two-kernel path agrees to the same tolerance. S = 2100 gives a slot
+    several tiles (the pipelined apply and buffer reuse)."""
+    import dsv4_references as ref
+    from dsv4_kernels import mhc
+    g = torch.Generator(device="cuda").manual_seed(D + S)
+    x = torch.randn(S, 4, D, device="cuda", generator=g).bfloat16()
+    fn = torch.randn(24, 4 * D, device="cuda", generator=g) / (4 * D) ** 0.5
+    sc = 1 + 0.05 * torch.randn(3, device="cuda", generator=g)
+    base = 0.01 * torch.randn(24, device="cuda", generator=g)
+    base[8:] += 3 * torch.eye(4, device="cuda").flatten()
+    yr, pr, cr = ref.hc_pre(x.float(), fn, sc, base, 20, 1e-6, 1e-6)
+    bound = yr.abs() * 2 ** -8 + 1e-5
+    for fused in (True, False):
+        y, p, c = mhc.hc_pre(x, fn, sc, base, 20, 1e-6, 1e-6, fused=fused)
+        assert not (y.isnan().any() or p.isnan().any() or c.isnan().any()), fused
+        assert ((y.float() - yr).abs() <= bound).all(), (fused, (y.float() - yr).abs().max())
+        assert (p - pr).abs().max() < 1e-4 and (c - cr).abs().max() < 1e-4, fused
+    y2, p2, c2 = mhc.hc_pre(x, fn, sc, base, 20, 1e-6, 1e-6, fused=True)
+    y, p, c = mhc.hc_pre(x, fn, sc, base, 20, 1e-6, 1e-6, fused=True)
+    assert torch.equal(y, y2) and torch.equal(p, p2) and torch.equal(c, c2)
+    hfn, hsc, hbase = fn[:4], sc[:1], base[:4]
+    hr = ref.hc_head(x.float(), hfn, hsc, hbase, 1e-6, 1e-6)
+    for fused in (True, False):
+        h = mhc.hc_head(x, hfn, hsc, hbase, 1e-6, 1e-6, fused=fused)
+        assert ((h.float() - hr).abs() <= hr.abs() * 2 ** -8 + 1e-5).all(), fused
+    counters = mhc.scratch("hc_fused_counters", x.device, -(-S // mhc.FUSED_TOKENS), torch.int32)
+    assert not counters.any()
+
+
 @pytest.mark.parametrize("block_max", [6.0, 3.0])
 def test_nvfp4_codes_of_every_bf16_magnitude(block_max):
     """Every bf16 magnitude up to the block's max, both signs, in blocks whose scale is exactly 1 (max 6) or 1/2
