@@ -563,7 +563,7 @@ class Checker:
         pre_torch = {"eager": _with_compiled(lambda i: ref.hc_pre(xs[i], fn, scale, base, iters, neps, heps),
                                              lambda i: compiled(ref.hc_pre)(xs[i], fn, scale, base, iters, neps,
                                                                             heps))}
-        # the whole op by each path the launcher has, side by side: one pass (hc_fused) where the shape allows it
+        # the whole op by each path the launcher has, side by side: the two kernels and the opt-in one pass
         paths = {True: "one pass, hc_fused", False: "two kernels"}
         if not K.fused_fits(D, M, _sms(self.dev)):
             paths.pop(True)

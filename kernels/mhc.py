@@ -1,7 +1,7 @@
 """mHC (manifold-constrained hyper-connections): Block.hc_pre and hc_post (dsv4_references.mhc).
 
-hc_pre (and hc_head) run as one kernel where the shape allows, `hc_fused` (see HcFused: x read once, the
-parts of a persistent grid waiting for each other's mixes), else as two:
+hc_pre (and hc_head) run as two kernels; `hc_fused` (HcFused: x read once, the parts of a persistent grid
+waiting for each other's mixes) is an opt-in single pass, correct but slower so far (see `_fused`):
 - `hc_mix`: mixes[s, n] = (x_s . fn_n) * rsqrt(mean(x_s^2) + eps) over all M*D features of the M streams
   (the reference's F.linear in fp32). A skinny GEMM (N = (2+M)*M = 24 columns) on tensor cores: fn is split
   into bf16 hi + lo (fn = hi + lo to ~2^-17 relative), so that mma.sync m16n8k16 on bf16 x gives fp32
@@ -779,8 +779,9 @@ def hc_fused(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, hea
 
 
 def _fused(x, fused: bool | None) -> bool:
-    """None: hc_fused wherever it takes the shape, else the two kernels (hc_mix, then hc_pre_apply)."""
-    return fused if fused is not None else fused_fits(x.size(2), x.size(1), sm_count(x.device))
+    """None: the two kernels (hc_mix, then hc_pre_apply). hc_fused is opt-in: correct, but on the H100 of
+    2026-12-06 3.6x slower at Pro shapes (710 vs 200 us; its parts wait for each other every 16-token tile)."""
+    return bool(fused)
 
 
 def hc_pre(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, fused: bool | None = None):
