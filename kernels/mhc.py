@@ -1,7 +1,7 @@
 """mHC (manifold-constrained hyper-connections): Block.hc_pre and hc_post (dsv4_references.mhc).
 
 hc_pre (and hc_head) run as two kernels; `hc_fused` (HcFused: x read once, the parts of a persistent grid
-waiting for each other's mixes) is an opt-in single pass, correct but slower so far (see `_fused`):
+waiting for each other's mixes) is an opt-in single pass, correct but slower so far (see `hc_pre`):
 - `hc_mix`: mixes[s, n] = (x_s . fn_n) * rsqrt(mean(x_s^2) + eps) over all M*D features of the M streams
   (the reference's F.linear in fp32). A skinny GEMM (N = (2+M)*M = 24 columns) on tensor cores: fn is split
   into bf16 hi + lo (fn = hi + lo to ~2^-17 relative), so that mma.sync m16n8k16 on bf16 x gives fp32
@@ -778,19 +778,15 @@ def hc_fused(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, hea
     return y if head else (y, post, comb)
 
 
-def _fused(x, fused: bool | None) -> bool:
-    """None: the two kernels (hc_mix, then hc_pre_apply). hc_fused is opt-in: correct, but on the H100 of
-    2026-12-06 3.6x slower at Pro shapes (710 vs 200 us; its parts wait for each other every 16-token tile)."""
-    return bool(fused)
-
-
-def hc_pre(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, fused: bool | None = None):
-    """x [S, M, D] bf16 streams -> (y [S, D] bf16, post [S, M] fp32, comb [S, M, M] fp32)."""
+def hc_pre(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, fused: bool = False):
+    """x [S, M, D] bf16 streams -> (y [S, D] bf16, post [S, M] fp32, comb [S, M, M] fp32); by the two kernels
+    (hc_mix, then hc_pre_apply), or fused=True by hc_fused: correct, but on the H100 of 2026-12-06 3.6x slower
+    at Pro shapes (710 vs 200 us; its parts wait for each other every 16-token tile)."""
     import torch
     if x.dtype != torch.bfloat16 or x.dim() != 3:
         raise ValueError("hc_pre kernel takes x [S, M, D] bf16")
     x = x.contiguous()
-    if _fused(x, fused):
+    if fused:
         return hc_fused(x, fn, scale, base, iters, norm_eps, hc_eps)
     return hc_pre_apply(x, hc_mixes(x, fn, norm_eps), scale, base, iters, hc_eps)
 
@@ -812,13 +808,14 @@ def hc_pre_apply(x, mixes, scale, base, iters: int, hc_eps: float):
     return y, post, comb
 
 
-def hc_head(x, fn, scale, base, norm_eps: float, hc_eps: float, fused: bool | None = None):
-    """ParallelHead.hc_head: x [S, M, D] bf16 -> [S, D] bf16 (sigmoid-weighted stream sum, no Sinkhorn)."""
+def hc_head(x, fn, scale, base, norm_eps: float, hc_eps: float, fused: bool = False):
+    """ParallelHead.hc_head: x [S, M, D] bf16 -> [S, D] bf16 (sigmoid-weighted stream sum, no Sinkhorn); two
+    kernels, or fused=True one launch of hc_fused (slower so far, as in hc_pre)."""
     import torch
     if x.dtype != torch.bfloat16 or x.dim() != 3:
         raise ValueError("hc_head kernel takes x [S, M, D] bf16")
     x = x.contiguous()
-    if _fused(x, fused):
+    if fused:
         return hc_fused(x, fn, scale, base, 0, norm_eps, hc_eps, head=True)
     S, M, D = x.shape
     mixes = hc_mixes(x, fn, norm_eps)

@@ -39,7 +39,7 @@ def torch_kernels(monkeypatch):
     monkeypatch.setattr(kv_cache, "read_into", read_into)
     monkeypatch.setattr(kv_cache, "round_trip", lambda kv, r=64, bs=64, generator=None: (ref.kv_qat(kv, r), None, None))
 
-    def hc_pre(x, fn, scale, base, iters, neps, heps, fused=None):
+    def hc_pre(x, fn, scale, base, iters, neps, heps, fused=False):
         y, p, c = ref.hc_pre(x.float(), fn, scale, base, iters, neps, heps)
         return y.to(bf), p, c
 
@@ -53,7 +53,7 @@ def torch_kernels(monkeypatch):
     monkeypatch.setattr(mhc, "hc_mixes", lambda x, fn, eps: _mixes(x.float(), fn, eps))
     monkeypatch.setattr(mhc, "hc_post", lambda a, r, p, c: ref.hc_post(a.float(), r.float(), p, c).to(bf))
     monkeypatch.setattr(mhc, "hc_head",
-                        lambda x, fn, s, b, ne, he, fused=None: ref.hc_head(x.float(), fn, s, b, ne, he).to(bf))
+                        lambda x, fn, s, b, ne, he, fused=False: ref.hc_head(x.float(), fn, s, b, ne, he).to(bf))
 
 
 def test_check_harness_dry_run_on_cpu(torch_kernels):
