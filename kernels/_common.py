@@ -322,7 +322,8 @@ def cp_async_8(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32):
 
 
 def st_global_v4(addr: Int64, vals: list):
-    cute.arch.inline_ptx("st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[addr, *vals])
+    """16 bytes to global memory: 4 fp32 or 4 32-bit words (.b32 takes either register type)."""
+    cute.arch.inline_ptx("st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[addr, *vals])
 
 
 def mma_bf16_16816(a: tuple, b: tuple, c: tuple):

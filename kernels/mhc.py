@@ -175,10 +175,6 @@ def st_global_f32(addr: Int64, v: Float32):
     cute.arch.inline_ptx("st.global.f32 [{$r0}], {$r1};", read_only_args=[addr, v])
 
 
-def st_global_u32x4(addr: Int64, words: list):
-    cute.arch.inline_ptx("st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[addr, *words])
-
-
 class HcMix:
     """x bf16 [S, K], fn fp32 [nmix, K] -> mixes fp32 [S, nmix]; K split in `parts` (workspace + tickets).
 
@@ -594,7 +590,7 @@ class HcFused:
             v8 = idx % (PART_D // 8)
             k = v8 // 8
             piece = (v8 % 8) ^ ((t % 2) * 4)
-            y = [Float32(0.0)] * 8
+            y = [None] * 8                                  # stream 0 initialises each sum
             for m in cutlass.range_constexpr(M):
                 w = ld_shared_v4(sx + (((buf * self.nc + m * self.cps + k) * FUSED_TOKENS + t) * CHUNK + 8 * piece) * 2)
                 pm = sPre[m, t]
@@ -604,7 +600,7 @@ class HcFused:
                     y[2 * p + 1] = hi * pm if m == 0 else y[2 * p + 1] + hi * pm
             gtok = tile * FUSED_TOKENS + t
             if gtok < S:
-                st_global_u32x4(y_ptr.toint() + Int64(gtok * self.D + part * PART_D + v8 * 8) * 2,
+                st_global_v4(y_ptr.toint() + Int64(gtok * self.D + part * PART_D + v8 * 8) * 2,
                                 [f32x2_to_bf16x2(y[2 * p], y[2 * p + 1]) for p in range(4)])
         # ---- post and comb of the tile's tokens, by one part: 16 lanes a token, 8 tokens a round
         if const_expr(not self.head):                      # noqa: SIM102 (a trace-time if around a run-time one)
