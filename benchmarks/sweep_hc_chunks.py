@@ -72,11 +72,18 @@ def main() -> int:
             return mhc.hc_pre(xs[i], fn, scale, base, 20, 1e-6, 1e-6)
 
         want = whole(0)
-        variants = [("two kernels", None, False)] + [(f"chunks of {c}{', 2 streams' if two else ''}", c, two)
+        def fused(i, fn=fn, scale=scale, base=base, head=head):
+            if head:
+                return (mhc.hc_head(xs[i], fn, scale, base, 1e-6, 1e-6, fused=True),)
+            return mhc.hc_pre(xs[i], fn, scale, base, 20, 1e-6, 1e-6, fused=True)
+
+        variants = [("two kernels", None, False), ("hc_fused", "fused", False)] + [(f"chunks of {c}{', 2 streams' if two else ''}", c, two)
                                                      for two in (False, True) for c in (1024, 512, 256, 128)]
         for name, chunk, two in variants:
             if chunk is None:
                 run = whole
+            elif chunk == "fused":
+                run = fused
             else:
                 def run(i, c=chunk, t=two, fn=fn, scale=scale, base=base, head=head):
                     return chunked(xs[i], fn, scale, base, c, t, head)

@@ -551,9 +551,12 @@ class HcFused:
     def record_sum(self, rec_ptr: cute.Pointer, tile: Int32, tok: Int32, col: Int32):
         """Value col of token tok summed over the tile's part records in part order (L2-coherent loads)."""
         first = rec_ptr.toint() + Int64(tile * self.parts * FUSED_TOKENS + tok) * (self.rec * 4) + col * 4
-        v = ld_cg_f32(first)
-        for p in cutlass.range(1, self.parts, unroll=4):
-            v = v + ld_cg_f32(first + Int64(p) * (FUSED_TOKENS * self.rec * 4))
+        parts = []                                         # every part's load in flight before the sum
+        for p in cutlass.range_constexpr(self.parts):
+            parts.append(ld_cg_f32(first + p * (FUSED_TOKENS * self.rec * 4)))
+        v = parts[0]
+        for p in cutlass.range_constexpr(1, self.parts):
+            v = v + parts[p]
         return v
 
     @cute.jit
