@@ -49,9 +49,11 @@ MIX_WARPS = 4
 MIX_MTILES = 2          # 16-token MMA tiles a warp
 MIX_TOKENS = 16 * MIX_MTILES * MIX_WARPS
 MAX_PARTS = 32
-PART_D = 256            # hc_fused: features of each stream one CTA owns (4 chunks a stream)
+PART_D = 128            # hc_fused: features of each stream one CTA owns (2 chunks a stream; fn slice 52 KB)
 FUSED_TOKENS = 16       # hc_fused: tokens of a tile (one MMA row tile)
-FUSED_BUFS = 3          # hc_fused: x tiles on chip: mixing, waiting for the other parts, loading
+FUSED_BUFS = 9          # hc_fused: x tiles on chip (16 KB each): mixed, waiting for the weights, loading
+FUSED_LAG = 4           # hc_fused: tiles between a tile's mixes and its weighted sum
+SMEM_BYTES = 227 * 1024
 
 
 def mix_lane_values(nmix: int) -> int:
@@ -389,41 +391,51 @@ class HcFused:
 
     The two-kernel path reads x twice (235 MB at Pro shapes, more than L2), since a token's mixes need its
     whole 4 x D row before its weighted sum can start. Here the grid is persistent and cooperative: CTA
-    (part p, slot s) owns features [256p, 256p + 256) of every stream and keeps its slice of fn in shared
-    memory for the whole launch (104 KB at 24 mixes); it walks the 16-token tiles s, s + slots, ... holding
-    each tile's x slice (32 KB) on chip until the tile's mixes are known. Per tile: warp m mixes stream m's 4
-    chunks (`mix_chunk`), the warps' partials are summed in warp order and stored as the part's record
-    [16 tokens, nmix + sum of squares]; an arrival counter counts the parts. A tile is applied one tile later
-    (three x buffers: mixing, waiting, loading), so the parts' arrivals overlap the next tile's mixing: thread
-    0 spins until all parts have arrived, every thread sums the pre mixes over the parts in part order (so
-    every part derives the same weights), and the CTA writes y for its features. Part (tile % parts) also sums
-    the whole records and runs the Sinkhorn (`sinkhorn_lane`) for post and comb. Each part counts again once
-    past the spin; the last of those resets the counter, so the zeroed counters are left zero.
+    (part p, slot s) owns features [p part_d, (p + 1) part_d) of every stream and keeps its slice of fn in
+    shared memory for the whole launch; it walks the 16-token tiles s, s + slots, ... holding each tile's x
+    slice on chip until the tile's weights are known. Per tile: warp m mixes stream m's chunks (`mix_chunk`),
+    the warps' partials are summed in warp order and stored as the part's record [16 tokens][sum of squares,
+    nmix mixes]; an arrival counter counts the parts in. The owner of the tile (part tile % parts) sums the
+    records in part order, publishes the tile's pre weights and raises the tile's flag; the other parts read
+    the weights once the flag is up. A tile's weighted sum runs `lag` tiles after its mixes, with `bufs` x
+    tiles on chip (the rest are the loads in flight), so the exchange overlaps the next tiles' mixing. The
+    owner also runs the Sinkhorn (`sinkhorn_lane`) for post and comb. Every counter and flag is left zero:
+    the owner resets the counter it alone waits on, and the last part past a flag resets it.
 
     All CTAs must be resident at once (they wait for each other): the grid is parts x slots <= the SM count,
-    one 200 KB CTA an SM. Bits differ from the two-kernel path (partials are summed per 256 features), within
-    the same fp32 tolerance of the reference.
+    one CTA an SM. Bits differ from the two-kernel path (partials are summed per part_d features), within the
+    same fp32 tolerance of the reference.
     """
 
-    def __init__(self, D: int, M: int = 4, iters: int = 20, head: bool = False):
+    def __init__(self, D: int, M: int = 4, iters: int = 20, head: bool = False, part_d: int = PART_D,
+                 bufs: int = FUSED_BUFS, lag: int = FUSED_LAG):
         if M != 4:
             raise ValueError("hc_fused is written for hc_mult = 4 (a warp a stream, 16 lanes a token)")
-        if D % PART_D:
-            raise ValueError(f"hc_fused: D={D} must be a multiple of {PART_D}")
+        if part_d % CHUNK or D % part_d:
+            raise ValueError(f"hc_fused: D={D} must be a multiple of part_d={part_d}, itself one of {CHUNK}")
+        if not 1 <= lag < bufs:
+            raise ValueError(f"hc_fused: lag={lag} must be in [1, bufs={bufs})")
         self.D, self.M, self.iters, self.head = D, M, iters, head
+        self.part_d, self.bufs, self.lag = part_d, bufs, lag
         self.nmix = M if head else (2 + M) * M
         self.nt = -(-self.nmix // 8)
-        self.parts = D // PART_D
-        self.cps = PART_D // CHUNK                         # chunks of a stream in a part
+        self.parts = D // part_d
+        self.cps = part_d // CHUNK                         # chunks of a stream in a part
         self.nc = M * self.cps                             # chunks of a part
-        self.rec = -(-(self.nmix + 1) // 8) * 8            # fp32 a token in a record: the mixes, then the sum of squares
+        self.rec = -(-(self.nmix + 1) // 8) * 8            # fp32 a token in a record: sum of squares, then the mixes
         self.nv = self.nt * 4 + 2                          # a lane's partial: C fragment values, 2 sums of squares
         self.threads = 32 * M
+        smem = 4 * (self.nc * self.nmix * FN_ROW + (M - 1) * 32 * self.nv + M * FUSED_TOKENS) \
+            + 2 * bufs * self.nc * FUSED_TOKENS * CHUNK
+        if smem > SMEM_BYTES:
+            raise ValueError(f"hc_fused: part_d={part_d} with {bufs} x tiles needs {smem} bytes of shared memory "
+                             f"(at most {SMEM_BYTES})")
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, fn_ptr: cute.Pointer, scale_ptr: cute.Pointer, base_ptr: cute.Pointer,
                  y_ptr: cute.Pointer, post_ptr: cute.Pointer, comb_ptr: cute.Pointer, rec_ptr: cute.Pointer,
-                 cnt_ptr: cute.Pointer, S: Int32, slots: Int32, norm_eps: Float32, hc_eps: Float32, stream):
+                 cnt_ptr: cute.Pointer, fin_ptr: cute.Pointer, flag_ptr: cute.Pointer, S: Int32, slots: Int32,
+                 norm_eps: Float32, hc_eps: Float32, stream):
         M = self.M
         mScale = cute.make_tensor(scale_ptr, cute.make_layout((3,)))
         mBase = cute.make_tensor(base_ptr, cute.make_layout((self.nmix,)))
@@ -433,13 +445,14 @@ class HcFused:
         @cute.struct
         class Storage:
             sF: cute.struct.Align[cute.struct.MemRange[Float32, self.nc * self.nmix * FN_ROW], 128]
-            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, FUSED_BUFS * self.nc * FUSED_TOKENS * CHUNK], 128]
+            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, self.bufs * self.nc * FUSED_TOKENS * CHUNK], 128]
             sRed: cute.struct.Align[cute.struct.MemRange[Float32, (M - 1) * 32 * self.nv], 16]
             sPre: cute.struct.Align[cute.struct.MemRange[Float32, M * FUSED_TOKENS], 16]
 
         self.storage = Storage
-        self.kernel(x_ptr, fn_ptr, mScale, mBase, y_ptr, mPost, mComb, rec_ptr, cnt_ptr, S, slots, norm_eps,
-                    hc_eps).launch(grid=[self.parts, slots, 1], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(x_ptr, fn_ptr, mScale, mBase, y_ptr, mPost, mComb, rec_ptr, cnt_ptr, fin_ptr, flag_ptr, S,
+                    slots, norm_eps, hc_eps).launch(grid=[self.parts, slots, 1], block=[self.threads, 1, 1],
+                                                    stream=stream)
 
     @cute.jit
     def load_fn(self, fn_ptr: cute.Pointer, sf: Int32, tidx: Int32, part: Int32):
@@ -451,7 +464,7 @@ class HcFused:
                 c = piece // (self.nmix * (CHUNK // 4))
                 n = piece // (CHUNK // 4) % self.nmix
                 v = piece % (CHUNK // 4)
-                col = (c // self.cps) * self.D + part * PART_D + (c % self.cps) * CHUNK + v * 4
+                col = (c // self.cps) * self.D + part * self.part_d + (c % self.cps) * CHUNK + v * 4
                 cp_async_16(sf + ((c * self.nmix + n) * FN_ROW + v * 4) * 4,
                             fn_ptr.toint() + Int64(n * self.M * self.D + col) * 4, Int32(16))
 
@@ -466,14 +479,15 @@ class HcFused:
             r = piece // 8 % FUSED_TOKENS
             v = piece % 8
             tok = cutlass.min(tile * FUSED_TOKENS + r, S - 1)
-            col = (c // self.cps) * self.D + part * PART_D + (c % self.cps) * CHUNK + v * 8
+            col = (c // self.cps) * self.D + part * self.part_d + (c % self.cps) * CHUNK + v * 8
             cp_async_16(sx + (((buf * self.nc + c) * FUSED_TOKENS + r) * CHUNK + 8 * (v ^ ((r % 2) * 4))) * 2,
                         x_ptr.toint() + Int64(tok * self.M * self.D + col) * 2, Int32(16))
 
     @cute.kernel
     def kernel(self, x_ptr: cute.Pointer, fn_ptr: cute.Pointer, mScale: cute.Tensor, mBase: cute.Tensor,
                y_ptr: cute.Pointer, mPost: cute.Tensor, mComb: cute.Tensor, rec_ptr: cute.Pointer,
-               cnt_ptr: cute.Pointer, S: Int32, slots: Int32, norm_eps: Float32, hc_eps: Float32):
+               cnt_ptr: cute.Pointer, fin_ptr: cute.Pointer, flag_ptr: cute.Pointer, S: Int32, slots: Int32,
+               norm_eps: Float32, hc_eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         part, slot, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -484,24 +498,29 @@ class HcFused:
         sRed = st.sRed.get_tensor(cute.make_layout((self.nv, 32, self.M - 1)))
         sPre = st.sPre.get_tensor(cute.make_layout((self.M, FUSED_TOKENS)))
         mine = (cute.ceil_div(S, FUSED_TOKENS) - slot + slots - 1) // slots      # tiles of this slot
+        ahead = self.bufs - self.lag                       # tiles loaded ahead of the one being mixed
 
+        # tile j of the slot lives in buffer j % bufs from its load (iteration j - ahead) to its weighted sum
+        # (iteration j + lag), when that buffer takes tile j + bufs
         self.load_fn(fn_ptr, sf, tidx, part)
         self.load_tile(x_ptr, sx, tidx, S, part, slot, Int32(0))
         cute.arch.cp_async_commit_group()
-        if mine > 1:
-            self.load_tile(x_ptr, sx, tidx, S, part, slot + slots, Int32(1))
-        cute.arch.cp_async_commit_group()
-        for i in cutlass.range(mine + 1):
+        for j in cutlass.range_constexpr(1, ahead):
+            if j < mine:
+                self.load_tile(x_ptr, sx, tidx, S, part, slot + j * slots, Int32(j))
+            cute.arch.cp_async_commit_group()
+        for i in cutlass.range(mine + self.lag):
             if i < mine:
-                cute.arch.cp_async_wait_group(1)           # tile i has landed (this thread's pieces) ...
+                cute.arch.cp_async_wait_group(ahead - 1)   # tile i has landed (this thread's pieces) ...
                 cute.arch.barrier()                        # ... and everyone's
-                self.mix(sf, sx, sRed, rec_ptr, cnt_ptr, slot + i * slots, i % FUSED_BUFS, part, warp, lane)
-            if i > 0:
-                self.apply(sx, sPre, mScale, mBase, y_ptr, mPost, mComb, rec_ptr, cnt_ptr, S,
-                           slot + (i - 1) * slots, (i - 1) % FUSED_BUFS, part, tidx, lane, norm_eps, hc_eps)
-            cute.arch.barrier()                            # buffer (i - 1) % 3 is free again
-            if i + 2 < mine:
-                self.load_tile(x_ptr, sx, tidx, S, part, slot + (i + 2) * slots, (i + 2) % FUSED_BUFS)
+                self.mix(sf, sx, sRed, rec_ptr, cnt_ptr, slot + i * slots, i % self.bufs, part, warp, lane)
+            if i >= self.lag:
+                j = i - self.lag
+                self.apply(sx, sPre, mScale, mBase, y_ptr, mPost, mComb, rec_ptr, cnt_ptr, fin_ptr, flag_ptr, S,
+                           slot + j * slots, j % self.bufs, part, tidx, lane, norm_eps, hc_eps)
+            cute.arch.barrier()                            # buffer (i + ahead) % bufs is free again
+            if i + ahead < mine:
+                self.load_tile(x_ptr, sx, tidx, S, part, slot + (i + ahead) * slots, (i + ahead) % self.bufs)
             cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
 
@@ -509,7 +528,7 @@ class HcFused:
     def mix(self, sf: Int32, sx: Int32, sRed: cute.Tensor, rec_ptr: cute.Pointer, cnt_ptr: cute.Pointer,
             tile: Int32, buf: Int32, part: Int32, warp: Int32, lane: Int32):
         """The part's partial mixes of the tile, summed over the warps in warp order -> its record
-        [token][mixes, sum of squares]; then counts the part in."""
+        [token][sum of squares, mixes]; then counts the part in."""
         g = lane // 4
         q = lane % 4
         acc = cute.make_rmem_tensor((self.nv,), Float32)
@@ -537,19 +556,19 @@ class HcFused:
                     for e in cutlass.range_constexpr(2):
                         col = 8 * j + 2 * q + e
                         if col < self.nmix:
-                            st_global_f32(row + col * 4, acc[4 * j + 2 * h + e])
+                            st_global_f32(row + (1 + col) * 4, acc[4 * j + 2 * h + e])
                 sq = acc[self.nv - 2 + h]
                 for off in (1, 2):                         # the quad's 4 lanes hold a row's sum in parts
                     sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=off)
                 if q == 0:
-                    st_global_f32(row + self.nmix * 4, sq)
+                    st_global_f32(row, sq)
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.atomic_add(cnt_ptr + tile, Int32(1), sem="acq_rel", scope="gpu")
 
     @cute.jit
     def record_sum(self, rec_ptr: cute.Pointer, tile: Int32, tok: Int32, col: Int32):
-        """Value col of token tok summed over the tile's part records in part order (L2-coherent loads)."""
+        """Record value col of token tok summed over the tile's parts in part order (L2-coherent loads)."""
         first = rec_ptr.toint() + Int64(tile * self.parts * FUSED_TOKENS + tok) * (self.rec * 4) + col * 4
         parts = []                                         # every part's load in flight before the sum
         for p in cutlass.range_constexpr(self.parts):
@@ -560,37 +579,57 @@ class HcFused:
         return v
 
     @cute.jit
+    def spin(self, flag: Int64, until: int):
+        """Wait until the GPU-scope counter at `flag` reaches `until` (acquire: what was written before it
+        counted is visible after)."""
+        seen = ld_acquire_i32(flag)
+        while seen < until:
+            seen = ld_acquire_i32(flag)
+
+    @cute.jit
     def apply(self, sx: Int32, sPre: cute.Tensor, mScale: cute.Tensor, mBase: cute.Tensor,
               y_ptr: cute.Pointer, mPost: cute.Tensor, mComb: cute.Tensor, rec_ptr: cute.Pointer,
-              cnt_ptr: cute.Pointer, S: Int32, tile: Int32, buf: Int32, part: Int32, tidx: Int32, lane: Int32,
-              norm_eps: Float32, hc_eps: Float32):
-        """Once every part has counted in: the tile's pre weights, y over the part's features, and (part
-        tile % parts) post and comb."""
+              cnt_ptr: cute.Pointer, fin_ptr: cute.Pointer, flag_ptr: cute.Pointer, S: Int32, tile: Int32,
+              buf: Int32, part: Int32, tidx: Int32, lane: Int32, norm_eps: Float32, hc_eps: Float32):
+        """The tile's pre weights (the owner sums the records and publishes them; the others wait for them),
+        y over the part's features, and (the owner) post and comb."""
         M = self.M
-        if tidx == 0:
-            cnt = cnt_ptr.toint() + Int64(tile) * 4
-            seen = ld_acquire_i32(cnt)
-            while seen < self.parts:
-                seen = ld_acquire_i32(cnt)
-            if cute.arch.atomic_add(cnt_ptr + tile, Int32(1), sem="relaxed", scope="gpu") == 2 * self.parts - 1:
-                cute.make_tensor(cnt_ptr + tile, cute.make_layout(1))[0] = Int32(0)    # the last one past: reset
-        cute.arch.barrier()
         inv_k = Float32(1.0 / (M * self.D))
-        # ---- pre weights: 8 lanes a token, lane e < M a pre mix, lane M the sum of squares
-        tok = tidx // 8
-        e = tidx % 8
-        col = cutlass.min(e, M)
-        v = self.record_sum(rec_ptr, tile, tok, col + (self.nmix - M) * (col // M))
-        sq = cute.arch.shuffle_sync(v, (lane // 8) * 8 + M)
-        rstd = cute.math.rsqrt(sq * inv_k + norm_eps)
-        if e < M:
-            sPre[e, tok] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-(v * rstd * mScale[0] + mBase[e]))) + hc_eps
-        cute.arch.barrier()
-        # ---- y = sum_m pre_m x_m: 16 tokens x 32 vectors of 8 features
-        for it in cutlass.range_constexpr(FUSED_TOKENS * (PART_D // 8) // self.threads):
+        fin = fin_ptr.toint() + Int64(tile * FUSED_TOKENS * M) * 4
+        owner = tile % self.parts == part
+        if owner:
+            if tidx == 0:
+                self.spin(cnt_ptr.toint() + Int64(tile) * 4, self.parts)
+                cute.make_tensor(cnt_ptr + tile, cute.make_layout(1))[0] = Int32(0)    # no one else reads it
+            cute.arch.barrier()
+            # 8 lanes a token: lane e < M sums pre mix e, the others the sum of squares (record column 0)
+            tok = tidx // 8
+            e = tidx % 8
+            v = self.record_sum(rec_ptr, tile, tok, cutlass.select_(e < M, e + 1, 0))
+            sq = cute.arch.shuffle_sync(v, (lane // 8) * 8 + M)
+            rstd = cute.math.rsqrt(sq * inv_k + norm_eps)
+            if e < M:
+                pre = Float32(1.0) / (Float32(1.0) + cute.math.exp(-(v * rstd * mScale[0] + mBase[e]))) + hc_eps
+                sPre[e, tok] = pre
+                st_global_f32(fin + (tok * M + e) * 4, pre)
+            cute.arch.barrier()
+            if const_expr(self.parts > 1):                 # noqa: SIM102 (a trace-time if around a run-time one)
+                if tidx == 0:
+                    cute.arch.atomic_add(flag_ptr + tile, Int32(1), sem="acq_rel", scope="gpu")
+        else:
+            if tidx == 0:
+                self.spin(flag_ptr.toint() + Int64(tile) * 4, 1)
+                if cute.arch.atomic_add(flag_ptr + tile, Int32(1), sem="relaxed", scope="gpu") == self.parts - 1:
+                    cute.make_tensor(flag_ptr + tile, cute.make_layout(1))[0] = Int32(0)   # the last one past
+            cute.arch.barrier()
+            if tidx < M * FUSED_TOKENS:
+                sPre[tidx % M, tidx // M] = ld_cg_f32(fin + tidx * 4)
+            cute.arch.barrier()
+        # ---- y = sum_m pre_m x_m: 16 tokens x part_d / 8 vectors of 8 features
+        for it in cutlass.range_constexpr(FUSED_TOKENS * (self.part_d // 8) // self.threads):
             idx = it * self.threads + tidx
-            t = idx // (PART_D // 8)
-            v8 = idx % (PART_D // 8)
+            t = idx // (self.part_d // 8)
+            v8 = idx % (self.part_d // 8)
             k = v8 // 8
             piece = (v8 % 8) ^ ((t % 2) * 4)
             y = [None] * 8                                  # stream 0 initialises each sum
@@ -603,18 +642,18 @@ class HcFused:
                     y[2 * p + 1] = hi * pm if m == 0 else y[2 * p + 1] + hi * pm
             gtok = tile * FUSED_TOKENS + t
             if gtok < S:
-                st_global_v4(y_ptr.toint() + Int64(gtok * self.D + part * PART_D + v8 * 8) * 2,
-                                [f32x2_to_bf16x2(y[2 * p], y[2 * p + 1]) for p in range(4)])
-        # ---- post and comb of the tile's tokens, by one part: 16 lanes a token, 8 tokens a round
+                st_global_v4(y_ptr.toint() + Int64(gtok * self.D + part * self.part_d + v8 * 8) * 2,
+                             [f32x2_to_bf16x2(y[2 * p], y[2 * p + 1]) for p in range(4)])
+        # ---- post and comb of the tile's tokens, by the owner: 16 lanes a token, 8 tokens a round
         if const_expr(not self.head):                      # noqa: SIM102 (a trace-time if around a run-time one)
-            if tile % self.parts == part:
+            if owner:
                 for r in cutlass.range_constexpr(FUSED_TOKENS * M * M // self.threads):
                     tok = r * (self.threads // (M * M)) + tidx // (M * M)
                     e = tidx % (M * M)
-                    sq = self.record_sum(rec_ptr, tile, tok, Int32(self.nmix))
+                    sq = self.record_sum(rec_ptr, tile, tok, Int32(0))
                     rstd = cute.math.rsqrt(sq * inv_k + norm_eps)
-                    zp = self.record_sum(rec_ptr, tile, tok, M + e % M) * rstd * mScale[1] + mBase[M + e % M]
-                    zc = self.record_sum(rec_ptr, tile, tok, 2 * M + e) * rstd * mScale[2] + mBase[2 * M + e]
+                    zp = self.record_sum(rec_ptr, tile, tok, 1 + M + e % M) * rstd * mScale[1] + mBase[M + e % M]
+                    zc = self.record_sum(rec_ptr, tile, tok, 1 + 2 * M + e) * rstd * mScale[2] + mBase[2 * M + e]
                     post, c = sinkhorn_lane(zc, zp, self.iters, hc_eps)
                     gtok = tile * FUSED_TOKENS + tok
                     if gtok < S:
@@ -687,11 +726,11 @@ def _build_apply(D: int, M: int = 4, iters: int = 20, head: bool = False):
                                      fake_ptr(Float32, 4), Int32(1), Float32(1e-6), fake_stream())
 
 
-def _build_fused(D: int, M: int = 4, iters: int = 20, head: bool = False):
-    f32 = fake_ptr(Float32, 4)
-    return HcFused(D, M, iters, head), (fake_ptr(BFloat16), fake_ptr(Float32), f32, f32, fake_ptr(BFloat16), f32,
-                                        f32, f32, fake_ptr(Int32, 4), Int32(1), Int32(1), Float32(1e-6),
-                                        Float32(1e-6), fake_stream())
+def _build_fused(D: int, M: int = 4, iters: int = 20, head: bool = False, **tuning):
+    f32, i32 = fake_ptr(Float32, 4), fake_ptr(Int32, 4)
+    return HcFused(D, M, iters, head, **tuning), (fake_ptr(BFloat16), fake_ptr(Float32), f32, f32, fake_ptr(BFloat16),
+                                                  f32, f32, f32, i32, f32, i32, Int32(1), Int32(1), Float32(1e-6),
+                                                  Float32(1e-6), fake_stream())
 
 
 def _build_post(D: int, M: int = 4):
@@ -744,18 +783,22 @@ def hc_mixes(x, fn, eps: float, parts: int | None = None, stages: int = STAGES):
     return out
 
 
-def fused_fits(D: int, M: int, sms: int) -> bool:
-    """hc_fused takes the shape: 4 streams, D in whole 256-feature parts, one CTA a part within the SMs."""
-    return M == 4 and D % PART_D == 0 and D // PART_D <= sms
+def fused_fits(D: int, M: int, sms: int, part_d: int = PART_D) -> bool:
+    """hc_fused takes the shape: 4 streams, D in whole part_d-feature parts, one CTA a part within the SMs."""
+    return M == 4 and D % part_d == 0 and D // part_d <= sms
 
 
-def hc_fused(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, head: bool = False):
-    """hc_pre (head=False: -> y, post, comb) or hc_head (-> y) in one launch of hc_fused; x [S, M, D] bf16."""
+def hc_fused(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, head: bool = False,
+             tuning: dict | None = None):
+    """hc_pre (head=False: -> y, post, comb) or hc_head (-> y) in one launch of hc_fused; x [S, M, D] bf16.
+    tuning: HcFused's part_d / bufs / lag in place of the defaults (benchmarks/sweep_hc_chunks.py)."""
     import torch
     S, M, D = x.shape
     sms = sm_count(x.device)
-    if not fused_fits(D, M, sms):
-        raise ValueError(f"hc_fused takes M = 4 and D a multiple of {PART_D} with D / {PART_D} <= {sms} SMs "
+    tuning = tuning or {}
+    part_d = tuning.get("part_d", PART_D)
+    if not fused_fits(D, M, sms, part_d):
+        raise ValueError(f"hc_fused takes M = 4 and D a multiple of {part_d} with D / {part_d} <= {sms} SMs "
                          f"(got M={M}, D={D})")
     check_numel(x)
     fn = fn.to(device=x.device, dtype=torch.float32).contiguous()
@@ -765,15 +808,17 @@ def hc_fused(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, hea
     post = torch.empty(S, M, dtype=torch.float32, device=x.device)
     comb = torch.empty(S, M, M, dtype=torch.float32, device=x.device)
     if S:
-        k = HcFused(D, M, iters, head)
+        k = HcFused(D, M, iters, head, **tuning)
         tiles = -(-S // FUSED_TOKENS)
         slots = min(sms // k.parts, tiles)
         rec = scratch("hc_fused_records", x.device, tiles * k.parts * FUSED_TOKENS * k.rec, torch.float32)
         counters = scratch("hc_fused_counters", x.device, tiles, torch.int32)
-        f = compile_kernel("hc_fused", device_arch(x.device), D=D, M=M, iters=iters, head=head)
+        weights = scratch("hc_fused_weights", x.device, tiles * FUSED_TOKENS * M, torch.float32)
+        flags = scratch("hc_fused_flags", x.device, tiles, torch.int32)
+        f = compile_kernel("hc_fused", device_arch(x.device), D=D, M=M, iters=iters, head=head, **tuning)
         f(ptr(x), ptr(fn), ptr(scale, Float32, 4), ptr(base, Float32, 4), ptr(y), ptr(post, Float32, 4),
-          ptr(comb, Float32, 4), ptr(rec, Float32, 4), ptr(counters, Int32, align=4), Int32(S), Int32(slots),
-          Float32(norm_eps), Float32(hc_eps), current_stream())
+          ptr(comb, Float32, 4), ptr(rec, Float32, 4), ptr(counters, Int32, align=4), ptr(weights, Float32, 4),
+          ptr(flags, Int32, align=4), Int32(S), Int32(slots), Float32(norm_eps), Float32(hc_eps), current_stream())
     return y if head else (y, post, comb)
 
 

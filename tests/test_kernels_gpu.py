@@ -97,8 +97,30 @@ def test_hc_fused_agrees_with_the_reference_and_the_two_kernels(D, S):
     for fused in (True, False):
         h = mhc.hc_head(x, hfn, hsc, hbase, 1e-6, 1e-6, fused=fused)
         assert ((h.float() - hr).abs() <= hr.abs() * 2 ** -8 + 1e-5).all(), fused
-    counters = mhc.scratch("hc_fused_counters", x.device, -(-S // mhc.FUSED_TOKENS), torch.int32)
-    assert not counters.any()
+    for kind in ("hc_fused_counters", "hc_fused_flags"):          # every launch leaves them zero
+        assert not mhc.scratch(kind, x.device, -(-S // mhc.FUSED_TOKENS), torch.int32).any(), kind
+
+
+@pytest.mark.parametrize("tuning", [{"part_d": 256, "bufs": 3, "lag": 1}, {"part_d": 64, "bufs": 6, "lag": 2},
+                                    {"part_d": 128, "bufs": 9, "lag": 8}])
+def test_hc_fused_tunings_agree_with_the_reference(tuning):
+    """hc_fused at other part widths, buffer counts and lags (the pipeline's bookkeeping: which buffer a tile
+    lives in, how far loads run ahead, lag = bufs - 1 with a single tile in flight) within the reference's
+    tolerance, flags and counters left zero."""
+    import dsv4_references as ref
+    from dsv4_kernels import mhc
+    S, D = 1500, 4096
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(S, 4, D, device="cuda", generator=g).bfloat16()
+    fn = torch.randn(24, 4 * D, device="cuda", generator=g) / (4 * D) ** 0.5
+    sc = 1 + 0.05 * torch.randn(3, device="cuda", generator=g)
+    base = 0.01 * torch.randn(24, device="cuda", generator=g)
+    yr, pr, cr = ref.hc_pre(x.float(), fn, sc, base, 20, 1e-6, 1e-6)
+    y, p, c = mhc.hc_fused(x, fn, sc, base, 20, 1e-6, 1e-6, tuning=tuning)
+    assert ((y.float() - yr).abs() <= yr.abs() * 2 ** -8 + 1e-5).all(), (y.float() - yr).abs().max()
+    assert (p - pr).abs().max() < 1e-4 and (c - cr).abs().max() < 1e-4
+    for kind in ("hc_fused_counters", "hc_fused_flags"):
+        assert not mhc.scratch(kind, x.device, -(-S // mhc.FUSED_TOKENS), torch.int32).any(), kind
 
 
 @pytest.mark.parametrize("block_max", [6.0, 3.0])
