@@ -24,6 +24,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--fused-only", action="store_true", help="only the two kernels and hc_fused's tunings")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -96,12 +97,15 @@ def main() -> int:
 
     chunk_variants = [("two kernels", None)] + [(f"chunks of {c}{', 2 streams' if two else ''}", ("chunks", c, two))
                                                 for two in (False, True) for c in (1024, 512, 256, 128)]
-    fused_variants = [(f"hc_fused part_d {p} bufs {b} lag {lag}", ("fused", {"part_d": p, "bufs": b, "lag": lag}))
-                      for p, b, lag in ((256, 3, 1), (128, 9, 4), (128, 8, 3), (128, 6, 2), (128, 9, 2))]
-    for head in (False, True):                             # the fused kernel last: a hang loses only its rows
-        measure(head, chunk_variants)
+    fused_variants = [(f"hc_fused part_d {p} bufs {b} lag {lag} lead {lead}",
+                       ("fused", {"part_d": p, "bufs": b, "lag": lag, "lead": lead}))
+                      for p, b, lag, lead in ((256, 3, 2, 1), (256, 3, 1, 0), (128, 9, 4, 1), (128, 9, 3, 1),
+                                              (128, 9, 4, 2), (128, 8, 2, 1), (64, 16, 6, 2))]
+    if not args.fused_only:
+        for head in (False, True):                         # the fused kernel last: a hang loses only its rows
+            measure(head, chunk_variants)
     for head in (False, True):
-        measure(head, fused_variants)
+        measure(head, chunk_variants[:1] + fused_variants)
     doc = {"env": environment(), "shape": [S, M, D], "copy_bandwidth": copy, "rows": rows}
     (args.out / "hc_chunks_sweep.json").write_text(json.dumps(doc, indent=1))
     return 0

@@ -53,6 +53,7 @@ PART_D = 128            # hc_fused: features of each stream one CTA owns (2 chun
 FUSED_TOKENS = 16       # hc_fused: tokens of a tile (one MMA row tile)
 FUSED_BUFS = 9          # hc_fused: x tiles on chip (16 KB each): mixed, waiting for the weights, loading
 FUSED_LAG = 4           # hc_fused: tiles between a tile's mixes and its weighted sum
+FUSED_LEAD = 1          # hc_fused: tiles between a tile's mixes and its owner publishing its weights
 SMEM_BYTES = 227 * 1024
 
 
@@ -395,12 +396,14 @@ class HcFused:
     shared memory for the whole launch; it walks the 16-token tiles s, s + slots, ... holding each tile's x
     slice on chip until the tile's weights are known. Per tile: warp m mixes stream m's chunks (`mix_chunk`),
     the warps' partials are summed in warp order and stored as the part's record [16 tokens][sum of squares,
-    nmix mixes]; an arrival counter counts the parts in. The owner of the tile (part tile % parts) sums the
-    records in part order, publishes the tile's pre weights and raises the tile's flag; the other parts read
-    the weights once the flag is up. A tile's weighted sum runs `lag` tiles after its mixes, with `bufs` x
-    tiles on chip (the rest are the loads in flight), so the exchange overlaps the next tiles' mixing. The
-    owner also runs the Sinkhorn (`sinkhorn_lane`) for post and comb. Every counter and flag is left zero:
-    the owner resets the counter it alone waits on, and the last part past a flag resets it.
+    nmix mixes]; an arrival counter counts the parts in. `lead` tiles later the tile's owner (part tile %
+    parts) sums the records in part order, publishes the tile's pre weights, raises the tile's flag and runs
+    the Sinkhorn (`sinkhorn_lane`) for post and comb; `lag` tiles after its mixes every part reads the weights
+    and writes y for its features. With `bufs` x tiles on chip (bufs - lag of them loads in flight), the
+    exchange overlaps the next tiles' mixing instead of stalling every part on the owner each tile (which
+    cost ~5 us a tile on the H100 when the owner published in the same step as the parts waited). Every
+    counter and flag is left zero: the owner resets the counter it alone waits on, and the last part past a
+    flag resets it.
 
     All CTAs must be resident at once (they wait for each other): the grid is parts x slots <= the SM count,
     one CTA an SM. Bits differ from the two-kernel path (partials are summed per part_d features), within the
@@ -408,15 +411,15 @@ class HcFused:
     """
 
     def __init__(self, D: int, M: int = 4, iters: int = 20, head: bool = False, part_d: int = PART_D,
-                 bufs: int = FUSED_BUFS, lag: int = FUSED_LAG):
+                 bufs: int = FUSED_BUFS, lag: int = FUSED_LAG, lead: int = FUSED_LEAD):
         if M != 4:
             raise ValueError("hc_fused is written for hc_mult = 4 (a warp a stream, 16 lanes a token)")
         if part_d % CHUNK or D % part_d:
             raise ValueError(f"hc_fused: D={D} must be a multiple of part_d={part_d}, itself one of {CHUNK}")
-        if not 1 <= lag < bufs:
-            raise ValueError(f"hc_fused: lag={lag} must be in [1, bufs={bufs})")
+        if not 0 <= lead < lag < bufs:
+            raise ValueError(f"hc_fused: lead={lead}, lag={lag}, bufs={bufs} must satisfy 0 <= lead < lag < bufs")
         self.D, self.M, self.iters, self.head = D, M, iters, head
-        self.part_d, self.bufs, self.lag = part_d, bufs, lag
+        self.part_d, self.bufs, self.lag, self.lead = part_d, bufs, lag, lead
         self.nmix = M if head else (2 + M) * M
         self.nt = -(-self.nmix // 8)
         self.parts = D // part_d
@@ -514,10 +517,14 @@ class HcFused:
                 cute.arch.cp_async_wait_group(ahead - 1)   # tile i has landed (this thread's pieces) ...
                 cute.arch.barrier()                        # ... and everyone's
                 self.mix(sf, sx, sRed, rec_ptr, cnt_ptr, slot + i * slots, i % self.bufs, part, warp, lane)
+            if i >= self.lead and i - self.lead < mine:
+                tile = slot + (i - self.lead) * slots
+                if tile % self.parts == part:
+                    self.publish(mScale, mBase, mPost, mComb, rec_ptr, cnt_ptr, fin_ptr, flag_ptr, S, tile, tidx,
+                                 lane, norm_eps, hc_eps)
             if i >= self.lag:
                 j = i - self.lag
-                self.apply(sx, sPre, mScale, mBase, y_ptr, mPost, mComb, rec_ptr, cnt_ptr, fin_ptr, flag_ptr, S,
-                           slot + j * slots, j % self.bufs, part, tidx, lane, norm_eps, hc_eps)
+                self.apply(sx, sPre, y_ptr, fin_ptr, flag_ptr, S, slot + j * slots, j % self.bufs, part, tidx)
             cute.arch.barrier()                            # buffer (i + ahead) % bufs is free again
             if i + ahead < mine:
                 self.load_tile(x_ptr, sx, tidx, S, part, slot + (i + ahead) * slots, (i + ahead) % self.bufs)
@@ -587,44 +594,59 @@ class HcFused:
             seen = ld_acquire_i32(flag)
 
     @cute.jit
-    def apply(self, sx: Int32, sPre: cute.Tensor, mScale: cute.Tensor, mBase: cute.Tensor,
-              y_ptr: cute.Pointer, mPost: cute.Tensor, mComb: cute.Tensor, rec_ptr: cute.Pointer,
-              cnt_ptr: cute.Pointer, fin_ptr: cute.Pointer, flag_ptr: cute.Pointer, S: Int32, tile: Int32,
-              buf: Int32, part: Int32, tidx: Int32, lane: Int32, norm_eps: Float32, hc_eps: Float32):
-        """The tile's pre weights (the owner sums the records and publishes them; the others wait for them),
-        y over the part's features, and (the owner) post and comb."""
+    def publish(self, mScale: cute.Tensor, mBase: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor,
+                rec_ptr: cute.Pointer, cnt_ptr: cute.Pointer, fin_ptr: cute.Pointer, flag_ptr: cute.Pointer, S: Int32,
+                tile: Int32, tidx: Int32, lane: Int32, norm_eps: Float32, hc_eps: Float32):
+        """By the tile's owner, once every part has counted in: the records summed in part order -> the pre
+        weights [16 tokens][M] and the flag that releases them; then post and comb."""
         M = self.M
         inv_k = Float32(1.0 / (M * self.D))
-        fin = fin_ptr.toint() + Int64(tile * FUSED_TOKENS * M) * 4
-        owner = tile % self.parts == part
-        if owner:
-            if tidx == 0:
-                self.spin(cnt_ptr.toint() + Int64(tile) * 4, self.parts)
-                cute.make_tensor(cnt_ptr + tile, cute.make_layout(1))[0] = Int32(0)    # no one else reads it
-            cute.arch.barrier()
-            # 8 lanes a token: lane e < M sums pre mix e, the others the sum of squares (record column 0)
-            tok = tidx // 8
-            e = tidx % 8
-            v = self.record_sum(rec_ptr, tile, tok, cutlass.select_(e < M, e + 1, 0))
-            sq = cute.arch.shuffle_sync(v, (lane // 8) * 8 + M)
-            rstd = cute.math.rsqrt(sq * inv_k + norm_eps)
-            if e < M:
-                pre = Float32(1.0) / (Float32(1.0) + cute.math.exp(-(v * rstd * mScale[0] + mBase[e]))) + hc_eps
-                sPre[e, tok] = pre
-                st_global_f32(fin + (tok * M + e) * 4, pre)
-            cute.arch.barrier()
-            if const_expr(self.parts > 1):                 # noqa: SIM102 (a trace-time if around a run-time one)
-                if tidx == 0:
-                    cute.arch.atomic_add(flag_ptr + tile, Int32(1), sem="acq_rel", scope="gpu")
-        else:
-            if tidx == 0:
-                self.spin(flag_ptr.toint() + Int64(tile) * 4, 1)
-                if cute.arch.atomic_add(flag_ptr + tile, Int32(1), sem="relaxed", scope="gpu") == self.parts - 1:
-                    cute.make_tensor(flag_ptr + tile, cute.make_layout(1))[0] = Int32(0)   # the last one past
-            cute.arch.barrier()
-            if tidx < M * FUSED_TOKENS:
-                sPre[tidx % M, tidx // M] = ld_cg_f32(fin + tidx * 4)
-            cute.arch.barrier()
+        if tidx == 0:
+            self.spin(cnt_ptr.toint() + Int64(tile) * 4, self.parts)
+            cute.make_tensor(cnt_ptr + tile, cute.make_layout(1))[0] = Int32(0)    # no one else reads it
+        cute.arch.barrier()
+        # 8 lanes a token: lane e < M sums pre mix e, the others the sum of squares (record column 0)
+        tok = tidx // 8
+        e = tidx % 8
+        v = self.record_sum(rec_ptr, tile, tok, cutlass.select_(e < M, e + 1, 0))
+        sq = cute.arch.shuffle_sync(v, (lane // 8) * 8 + M)
+        rstd = cute.math.rsqrt(sq * inv_k + norm_eps)
+        if e < M:
+            pre = Float32(1.0) / (Float32(1.0) + cute.math.exp(-(v * rstd * mScale[0] + mBase[e]))) + hc_eps
+            st_global_f32(fin_ptr.toint() + Int64((tile * FUSED_TOKENS + tok) * M + e) * 4, pre)
+        cute.arch.barrier()
+        if tidx == 0:
+            cute.arch.atomic_add(flag_ptr + tile, Int32(1), sem="acq_rel", scope="gpu")
+        # ---- post and comb of the tile's tokens: 16 lanes a token, 8 tokens a round
+        if const_expr(not self.head):
+            for r in cutlass.range_constexpr(FUSED_TOKENS * M * M // self.threads):
+                tok = r * (self.threads // (M * M)) + tidx // (M * M)
+                e = tidx % (M * M)
+                sq = self.record_sum(rec_ptr, tile, tok, Int32(0))
+                rstd = cute.math.rsqrt(sq * inv_k + norm_eps)
+                zp = self.record_sum(rec_ptr, tile, tok, 1 + M + e % M) * rstd * mScale[1] + mBase[M + e % M]
+                zc = self.record_sum(rec_ptr, tile, tok, 1 + 2 * M + e) * rstd * mScale[2] + mBase[2 * M + e]
+                post, c = sinkhorn_lane(zc, zp, self.iters, hc_eps)
+                gtok = tile * FUSED_TOKENS + tok
+                if gtok < S:
+                    mComb[e, gtok] = c
+                    if e < M:
+                        mPost[e, gtok] = post
+
+    @cute.jit
+    def apply(self, sx: Int32, sPre: cute.Tensor, y_ptr: cute.Pointer, fin_ptr: cute.Pointer,
+              flag_ptr: cute.Pointer, S: Int32, tile: Int32, buf: Int32, part: Int32, tidx: Int32):
+        """Once the owner has published the tile's pre weights: y over the part's features. The flag counts
+        every part past it after the owner's 1; the last one resets it."""
+        M = self.M
+        if tidx == 0:
+            self.spin(flag_ptr.toint() + Int64(tile) * 4, 1)
+            if cute.arch.atomic_add(flag_ptr + tile, Int32(1), sem="relaxed", scope="gpu") == self.parts:
+                cute.make_tensor(flag_ptr + tile, cute.make_layout(1))[0] = Int32(0)
+        cute.arch.barrier()
+        if tidx < M * FUSED_TOKENS:
+            sPre[tidx % M, tidx // M] = ld_cg_f32(fin_ptr.toint() + Int64(tile * FUSED_TOKENS * M + tidx) * 4)
+        cute.arch.barrier()
         # ---- y = sum_m pre_m x_m: 16 tokens x part_d / 8 vectors of 8 features
         for it in cutlass.range_constexpr(FUSED_TOKENS * (self.part_d // 8) // self.threads):
             idx = it * self.threads + tidx
@@ -644,22 +666,6 @@ class HcFused:
             if gtok < S:
                 st_global_v4(y_ptr.toint() + Int64(gtok * self.D + part * self.part_d + v8 * 8) * 2,
                              [f32x2_to_bf16x2(y[2 * p], y[2 * p + 1]) for p in range(4)])
-        # ---- post and comb of the tile's tokens, by the owner: 16 lanes a token, 8 tokens a round
-        if const_expr(not self.head):                      # noqa: SIM102 (a trace-time if around a run-time one)
-            if owner:
-                for r in cutlass.range_constexpr(FUSED_TOKENS * M * M // self.threads):
-                    tok = r * (self.threads // (M * M)) + tidx // (M * M)
-                    e = tidx % (M * M)
-                    sq = self.record_sum(rec_ptr, tile, tok, Int32(0))
-                    rstd = cute.math.rsqrt(sq * inv_k + norm_eps)
-                    zp = self.record_sum(rec_ptr, tile, tok, 1 + M + e % M) * rstd * mScale[1] + mBase[M + e % M]
-                    zc = self.record_sum(rec_ptr, tile, tok, 1 + 2 * M + e) * rstd * mScale[2] + mBase[2 * M + e]
-                    post, c = sinkhorn_lane(zc, zp, self.iters, hc_eps)
-                    gtok = tile * FUSED_TOKENS + tok
-                    if gtok < S:
-                        mComb[e, gtok] = c
-                        if e < M:
-                            mPost[e, gtok] = post
 
 
 class HcPost:

@@ -101,12 +101,13 @@ def test_hc_fused_agrees_with_the_reference_and_the_two_kernels(D, S):
         assert not mhc.scratch(kind, x.device, -(-S // mhc.FUSED_TOKENS), torch.int32).any(), kind
 
 
-@pytest.mark.parametrize("tuning", [{"part_d": 256, "bufs": 3, "lag": 1}, {"part_d": 64, "bufs": 6, "lag": 2},
-                                    {"part_d": 128, "bufs": 9, "lag": 8}])
+@pytest.mark.parametrize("tuning", [{"part_d": 256, "bufs": 3, "lag": 1, "lead": 0}, {"part_d": 64, "bufs": 6, "lag": 2},
+                                    {"part_d": 128, "bufs": 9, "lag": 8, "lead": 7}])
 def test_hc_fused_tunings_agree_with_the_reference(tuning):
-    """hc_fused at other part widths, buffer counts and lags (the pipeline's bookkeeping: which buffer a tile
-    lives in, how far loads run ahead, lag = bufs - 1 with a single tile in flight) within the reference's
-    tolerance, flags and counters left zero."""
+    """hc_fused at other part widths, buffer counts, lags and leads (the pipeline's bookkeeping: which buffer a
+    tile lives in, how far loads run ahead, lag = bufs - 1 with a single tile in flight, the owner publishing in
+    the step of its mixes or just before the parts read) within the reference's tolerance, flags and counters
+    left zero."""
     import dsv4_references as ref
     from dsv4_kernels import mhc
     S, D = 1500, 4096
