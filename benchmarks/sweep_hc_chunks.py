@@ -35,6 +35,10 @@ def main() -> int:
     side = torch.cuda.Stream()
     rows = []
 
+    def save():
+        doc = {"env": environment(), "shape": [S, M, D], "copy_bandwidth": copy, "rows": rows}
+        (args.out / "hc_chunks_sweep.json").write_text(json.dumps(doc, indent=1))
+
     def apply_into(x, mixes, scale, base, y, post, comb, head):
         s = x.size(0)
         f = compile_kernel("hc_pre_apply", device_arch(dev), D=D, M=M, iters=0 if head else 20, head=head)
@@ -94,6 +98,7 @@ def main() -> int:
             rows.append(row)
             print(f"{row['op']:8s} {name:34s} {t['us']:7.1f} us ({t['mode']}) {row['GBps']:6.0f} GB/s "
                   f"{100 * row['of_copy']:4.0f}% copy  max|diff| {err:.2e}", flush=True)
+            save()                                         # row by row: a hung variant keeps the rows before it
 
     chunk_variants = [("two kernels", None)] + [(f"chunks of {c}{', 2 streams' if two else ''}", ("chunks", c, two))
                                                 for two in (False, True) for c in (1024, 512, 256, 128)]
@@ -106,8 +111,6 @@ def main() -> int:
             measure(head, chunk_variants)
     for head in (False, True):
         measure(head, chunk_variants[:1] + fused_variants)
-    doc = {"env": environment(), "shape": [S, M, D], "copy_bandwidth": copy, "rows": rows}
-    (args.out / "hc_chunks_sweep.json").write_text(json.dumps(doc, indent=1))
     return 0
 
 
