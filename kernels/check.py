@@ -317,7 +317,7 @@ class Checker:
     # -- ops
     FAMILIES = ("norm", "rope", "nvfp4", "kv_cache", "mhc", "gemm")
     KERNELS: ClassVar[dict[str, tuple[str, ...]]] = {          # the kernels each family's checks launch
-        "norm": ("rmsnorm",), "rope": ("rope",), "nvfp4": ("nvfp4_amax", "nvfp4_quant", "nvfp4_dequant"),
+        "norm": ("rmsnorm",), "rope": ("rope",), "nvfp4": ("nvfp4_amax", "nvfp4_quant", "nvfp4_quant_onepass", "nvfp4_dequant"),
         "kv_cache": ("kv_write", "kv_read"), "mhc": ("hc_mix", "hc_pre_apply", "hc_post"),
         "gemm": ("fp8_act_quant", "fp8_block_gemm", "w4a16_gemm", "w4a16_gemv")}
 
@@ -458,8 +458,12 @@ class Checker:
                                   {"eager": _with_compiled(lambda i: K.reference_quantize(xs[i]),
                                                            lambda i: compiled(K.reference_quantize)(xs[i]))},
                                   nbytes))
-        # the same work kernel by kernel: the global amax (a read) and the quantise proper given g, each measured
-        # against the copy rate on its own bytes (the row above pays both passes over x)
+        # the same work in two kernels (the global amax, a read of x, then the quantise given g) side by side,
+        # and each of them measured against the copy rate on its own bytes
+        two = K.quantize(xs[0], K.global_scale(K.amax(xs[0])))
+        ok = all(bits_equal(a, b)[0] for a, b in zip(two, (codes, scales, g)))
+        self.add(Row("nvfp4", "quantise, two kernels", _shape(S, n), "bit-identical to the one-pass row", ok),
+                 self._bench(lambda i: K.quantize(xs[i], K.global_scale(K.amax(xs[i]))), {}, nbytes))
         self.add(exact_row("nvfp4", "amax (global scale)", _shape(S, n), K.amax(xs[0]),
                            xs[0].float().abs().amax().reshape(1), "torch abs().amax()"),
                  self._bench(lambda i: K.amax(xs[i]), {"eager": _with_compiled(

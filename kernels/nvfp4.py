@@ -37,16 +37,22 @@ from ._common import (
     f32_bits,
     fake_ptr,
     fake_stream,
+    fmax_nan,
     group_max_int,
+    ld_acquire_i32,
     ptr,
     register,
+    scratch,
     sm_count,
 )
 
 BLOCK = 16
 QUANT_CTAS_PER_SM = 4           # nvfp4_quant's grid an SM: the CTAs its registers let reside (test_kernels_compile)
+HELD = 7168                     # blocks of x nvfp4_quant_onepass holds a CTA: 224 KiB of the 227 KiB allowed
 QUOTIENT_DEN_RANGE = (2.0 ** -60, 2.0 ** 60)   # block scales outside it: IEEE divisions (quotient_rn's range)
 FP4_MAX, FP8_MAX = 6.0, 448.0
+INV_FP4_FP8_MAX = 0.00037202381645329297   # float32(1) / float32(2688), exactly as fp32
+FP32_TINY = 2.0 ** -126
 # E2M1 rounding as thresholds on |x| / bs, (value, inclusive): the code is the count passed; ties go to the even code
 E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
@@ -130,6 +136,49 @@ def quotient_rn(a: Float32, den: Float32, rcp: Float32) -> Float32:
         write_only_types=[Float32], read_only_args=[a, den, rcp])
 
 
+@cute.jit
+def quant_block(rW: cute.Tensor, g: Float32, rE: cute.Tensor, words: cute.Tensor):
+    """One block of 16 bf16 (rW: 8 words, element 2j in the low half of word j) -> its e4m3 scale rE[0] and
+    its 16 codes in two words (the even element in the low nibble), for the global decode scale g."""
+    # block amax from the magnitude bits (exact, and |-0| = +0 as torch's abs)
+    mb = Int32(0)
+    for j in cutlass.range_constexpr(8):
+        w = rW[j]
+        mb = cutlass.max(mb, cutlass.max(w & 0x7FFF, (w >> 16) & 0x7FFF))
+    t = bits_f32(mb << 16) / (Float32(FP4_MAX) * g)
+    rT = cute.make_rmem_tensor((2,), Float32)
+    rT[0] = t
+    rT[1] = t
+    # cvt.rn.satfinite.e4m3x2: a caller's g below amax / 2688 saturates scales at 448 (torch 2.13's CPU
+    # cast does too; torch 2.11's CUDA cast gives NaN): g from the tensor's amax never gets there
+    rE.store(rT.load().to(cutlass.Float8E4M3FN))
+    bs = rE.load().to(Float32)[0] * g
+    den = cutlass.select_(bs > Float32(0.0), bs, Float32(1.0))  # also for a NaN scale, as the reference
+    if (mb <= 0x7F80 and den >= Float32(QUOTIENT_DEN_RANGE[0])    # no NaN x (quotient_rn would code 7)
+            and den <= Float32(QUOTIENT_DEN_RANGE[1])):
+        encode_block(rW, den, Float32(1.0) / den, words)          # one IEEE division a block
+    else:
+        encode_block(rW, den, None, words)
+
+
+def encode_block(rW, den, rcp, words):
+    """Trace-time: the 16 codes of a block into two words (rcp None: IEEE divisions)."""
+    for half in range(2):
+        acc = Int32(0)
+        for i in range(8):
+            e = half * 8 + i
+            w = rW[e // 2]
+            x = bits_f32(w << 16 if e % 2 == 0 else w & -65536)        # the bf16 as fp32, signed
+            if rcp is None:
+                q = x / den                                             # IEEE division
+                q = cutlass.select_(q == q, q, Float32(0.0))  # noqa: PLR0124 (NaN test): NaN scale or x, code 0
+            else:
+                q = quotient_rn(x, den, rcp)
+            sign = Int32(Uint32(f32_bits(x)) >> 31)
+            acc = acc + (e2m1_code(q) + sign * 8) * (1 << (4 * i))      # disjoint nibbles: + is |
+        words[half] = acc
+
+
 class Quant:
     """x bf16 [nblk * 16], g fp32 [1] -> codes uint32 [nblk * 2] (8 bytes a block), scales e4m3 [nblk].
 
@@ -164,47 +213,115 @@ class Quant:
             b = b0 + it * stride
             rW.store(cute.recast_tensor(rX, Int32).load())
             cute.autovec_copy(mX[None, None, cutlass.min(b + stride, nblk - 1)], rX)   # prefetch
-            # block amax from the magnitude bits (exact, and |-0| = +0 as torch's abs)
-            mb = Int32(0)
-            for j in cutlass.range_constexpr(8):
-                w = rW[j]
-                mb = cutlass.max(mb, cutlass.max(w & 0x7FFF, (w >> 16) & 0x7FFF))
-            t = bits_f32(mb << 16) / (Float32(FP4_MAX) * g)
             rE = cute.make_rmem_tensor((2,), cutlass.Float8E4M3FN)
-            rT = cute.make_rmem_tensor((2,), Float32)
-            rT[0] = t
-            rT[1] = t
-            # cvt.rn.satfinite.e4m3x2: a caller's g below amax / 2688 saturates scales at 448 (torch 2.13's CPU
-            # cast does too; torch 2.11's CUDA cast gives NaN): g from the tensor's amax never gets there
-            rE.store(rT.load().to(cutlass.Float8E4M3FN))
-            bs = rE.load().to(Float32)[0] * g
-            den = cutlass.select_(bs > Float32(0.0), bs, Float32(1.0))  # also for a NaN scale, as the reference
             words = cute.make_rmem_tensor((2,), Int32)
-            if (mb <= 0x7F80 and den >= Float32(QUOTIENT_DEN_RANGE[0])    # no NaN x (quotient_rn would code 7)
-                    and den <= Float32(QUOTIENT_DEN_RANGE[1])):
-                self.encode(rW, den, Float32(1.0) / den, words)   # one IEEE division a block
-            else:
-                self.encode(rW, den, None, words)
+            quant_block(rW, g, rE, words)
             if b < nblk:
                 cute.autovec_copy(cute.recast_tensor(words, Uint32), mC[None, b])
                 mS[b] = rE[0]
 
-    # trace-time helper: the 16 codes of a block into two words
-    def encode(self, rW, den, rcp, words):
-        for half in range(2):
-            acc = Int32(0)
-            for i in range(8):
-                e = half * 8 + i
-                w = rW[e // 2]
-                x = bits_f32(w << 16 if e % 2 == 0 else w & -65536)        # the bf16 as fp32, signed
-                if rcp is None:
-                    q = x / den                                             # IEEE division
-                    q = cutlass.select_(q == q, q, Float32(0.0))  # noqa: PLR0124 (NaN test): NaN scale or x, code 0
-                else:
-                    q = quotient_rn(x, den, rcp)
-                sign = Int32(Uint32(f32_bits(x)) >> 31)
-                acc = acc + (e2m1_code(q) + sign * 8) * (1 << (4 * i))      # disjoint nibbles: + is |
-            words[half] = acc
+class QuantOnePass:
+    """x bf16 [nblk * 16] -> codes, scales and g fp32 [1] from x's own amax, x read from DRAM once.
+
+    The global amax must be known before any block scale, and Pro's [4096, 7168] (59 MB) does not stay in the
+    50 MB L2 between two kernels (amax then quantise: 43% of copy). One persistent launch of at most one CTA an
+    SM instead: each CTA takes a contiguous chunk, keeps its first HELD blocks in shared memory while it
+    reduces their amax and only reads the rest; a grid-wide barrier (arrival counter) publishes the amax; the
+    quantise pass then walks the chunk backwards, so the blocks not held are re-read newest first, from L2.
+    The grid must be co-resident (it spins on the counter): at most one CTA an SM, which its shared memory
+    forces. sync [3] int32: amax bits, arrivals, departures; zero on entry and left zero by the last CTA."""
+    threads, unroll = 512, 4
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, c_ptr: cute.Pointer, s_ptr: cute.Pointer, g_ptr: cute.Pointer,
+                 sync_ptr: cute.Pointer, nblk: Int32, chunk: Int32, grid: Int32, stream):
+        mX = cute.make_tensor(x_ptr, cute.make_layout((8, 2, nblk), stride=(1, 8, 16)))
+        mC = cute.make_tensor(c_ptr, cute.make_layout((2, nblk), stride=(1, 2)))
+        mS = cute.make_tensor(s_ptr, cute.make_layout((nblk,)))
+        mG = cute.make_tensor(g_ptr, cute.make_layout((1,)))
+        self.kernel(mX, mC, mS, mG, sync_ptr, nblk, chunk).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1],
+                                                                  stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mC: cute.Tensor, mS: cute.Tensor, mG: cute.Tensor, sync_ptr: cute.Pointer,
+               nblk: Int32, chunk: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        smem = SmemAllocator()
+        # a block's two 16-byte halves in two planes: a warp's 16-byte stores and loads are conflict-free
+        sX = smem.allocate_tensor(BFloat16, cute.make_layout((8, 2, HELD), stride=(1, 8 * HELD, 8)),
+                                  byte_alignment=16)
+        red = smem.allocate_tensor(Int32, cute.make_layout((self.threads // 32,)), byte_alignment=16)
+        first = bidx * chunk
+        mine = cutlass.max(cutlass.min(chunk, nblk - first), 0)
+        held = cutlass.min(mine, HELD)
+        step = self.threads * self.unroll
+        iters = (mine + step - 1) // step
+        rX = cute.make_rmem_tensor((8, 2, self.unroll), BFloat16)
+        rW = cute.recast_tensor(rX, Int32)                      # (4, 2, unroll): two bf16 a word
+
+        # ---- pass 1: amax over the chunk; the first `held` blocks stay in shared memory
+        m = Int32(0)
+        for k in cutlass.range(iters):
+            rW.fill(0)
+            for u in cutlass.range_constexpr(self.unroll):
+                i = (k * self.unroll + u) * self.threads + tidx
+                if i < mine:
+                    cute.autovec_copy(mX[None, None, first + i], rX[None, None, u])
+            for u in cutlass.range_constexpr(self.unroll):
+                i = (k * self.unroll + u) * self.threads + tidx
+                if i < held:
+                    cute.autovec_copy(rX[None, None, u], sX[None, None, i])
+                for h in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(4):
+                        w = rW[e, h, u]
+                        m = cutlass.max(m, cutlass.max(w & 0x7FFF, (w >> 16) & 0x7FFF))
+        m = group_max_int(m, 32)
+        if cute.arch.lane_idx() == 0:
+            red[cute.arch.warp_idx()] = m
+        cute.arch.barrier()
+        # ---- the grid-wide amax: every CTA's max, then its arrival; the last departure resets the counters
+        if tidx == 0:
+            for w in cutlass.range_constexpr(self.threads // 32):
+                m = cutlass.max(m, red[w])
+            cute.arch.atomic_max(sync_ptr, m << 16, sem="relaxed", scope="gpu")   # bf16 magnitude -> fp32 bits
+            cute.arch.atomic_add(sync_ptr + 1, Int32(1), sem="release", scope="gpu")
+            seen = ld_acquire_i32(sync_ptr.toint() + 4)
+            while seen < gdim:
+                seen = ld_acquire_i32(sync_ptr.toint() + 4)
+            red[0] = ld_acquire_i32(sync_ptr.toint())
+            if cute.arch.atomic_add(sync_ptr + 2, Int32(1), sem="acq_rel", scope="gpu") == gdim - 1:
+                counters = cute.make_tensor(sync_ptr, cute.make_layout((3,)))
+                for c in cutlass.range_constexpr(3):
+                    counters[c] = Int32(0)
+        cute.arch.barrier()
+        # g = max(amax * RN(1 / 2688), tiny): what torch computes for the reference's amax / 2688 on CUDA (a
+        # division by a CPU scalar is a multiplication by its fp32 reciprocal), clamped; NaN stays NaN
+        g = fmax_nan(bits_f32(red[0]) * Float32(INV_FP4_FP8_MAX), Float32(FP32_TINY))
+        if bidx == 0 and tidx == 0:
+            mG[0] = g
+
+        # ---- pass 2, backwards: the blocks not held (newest in L2 first), then the held ones
+        for kk in cutlass.range(iters):
+            k = iters - 1 - kk
+            for u in cutlass.range_constexpr(self.unroll):
+                i = (k * self.unroll + u) * self.threads + tidx
+                if i < held:
+                    cute.autovec_copy(sX[None, None, i], rX[None, None, u])
+                elif i < mine:
+                    cute.autovec_copy(mX[None, None, first + i], rX[None, None, u])
+            for u in cutlass.range_constexpr(self.unroll):
+                i = (k * self.unroll + u) * self.threads + tidx
+                rB = cute.make_rmem_tensor((8,), Int32)
+                rB.store(cute.recast_tensor(rX[None, None, u], Int32).load())
+                rE = cute.make_rmem_tensor((2,), cutlass.Float8E4M3FN)
+                words = cute.make_rmem_tensor((2,), Int32)
+                quant_block(rB, g, rE, words)
+                if i < mine:
+                    cute.autovec_copy(cute.recast_tensor(words, Uint32), mC[None, first + i])
+                    mS[first + i] = rE[0]
+
 
 class Dequant:
     """codes uint32 [nblk * 2], scales e4m3 [nblk], g fp32 [1] -> bf16 [nblk * 16]."""
@@ -255,6 +372,11 @@ def _build_quant():
                      Int32(1), Int32(1), Int32(1), fake_stream())
 
 
+def _build_quant_onepass():
+    return QuantOnePass(), (fake_ptr(BFloat16), fake_ptr(Uint32, 8), fake_ptr(cutlass.Float8E4M3FN, 1),
+                            fake_ptr(Float32, 4), fake_ptr(Int32, 4), Int32(1), Int32(1), Int32(1), fake_stream())
+
+
 def _build_dequant():
     return Dequant(), (fake_ptr(Uint32, 8), fake_ptr(cutlass.Float8E4M3FN, 1), fake_ptr(Float32, 4),
                        fake_ptr(BFloat16), Int32(1), fake_stream())
@@ -264,6 +386,8 @@ register(KernelDef("nvfp4_amax", "experts", BOTH, _build_amax, configs=({},),
                    doc="global |x| max (bf16 bits, atomic max), feeds the NVFP4 global scale"))
 register(KernelDef("nvfp4_quant", "experts", BOTH, _build_quant, configs=({},),
                    doc="NVFP4 quantise: e4m3 scale per 16, E2M1 codes by integer code"))
+register(KernelDef("nvfp4_quant_onepass", "experts", BOTH, _build_quant_onepass, configs=({},),
+                   doc="NVFP4 quantise with the global scale from x's own amax, x read once (grid barrier)"))
 register(KernelDef("nvfp4_dequant", "experts", BOTH, _build_dequant, configs=({},),
                    doc="NVFP4 dequantise to bf16"))
 
@@ -300,19 +424,29 @@ def amax(x):
 def quantize(x, g=None):
     """x [..., n] bf16 (n % 16 == 0) -> (codes uint8 [..., n/2], scales float8_e4m3fn [..., n/16], g fp32 [1]).
 
-    g: the global decode scale; default: from the tensor's amax (kernel) as the reference does.
+    g: the global decode scale; default: from the tensor's amax as the reference does, in one launch
+    (nvfp4_quant_onepass); `quantize(x, global_scale(amax(x)))` gives the same bits in two.
     """
     import torch
     x = x.contiguous()
     if x.dtype != torch.bfloat16 or x.size(-1) % BLOCK:
         raise ValueError(f"nvfp4 quantize takes bf16 with a last dim multiple of {BLOCK}")
     check_numel(x)
-    if g is None:
-        g = global_scale(amax(x))
-    g = g.to(device=x.device, dtype=torch.float32).reshape(1).contiguous()
     codes = torch.empty(*x.shape[:-1], x.size(-1) // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(*x.shape[:-1], x.size(-1) // BLOCK, dtype=torch.float8_e4m3fn, device=x.device)
     nblk = x.numel() // BLOCK
+    if g is None and nblk:
+        g = torch.empty(1, dtype=torch.float32, device=x.device)
+        grid = max(1, min(sm_count(x.device), -(-nblk // QuantOnePass.threads)))
+        chunk = -(-nblk // grid)
+        fn = compile_kernel("nvfp4_quant_onepass", device_arch(x.device))
+        fn(ptr(x), ptr(codes, Uint32, 8), ptr(scales, cutlass.Float8E4M3FN, 1), ptr(g, Float32, 4),
+           ptr(scratch("nvfp4_sync", x.device, 4, torch.int32), Int32, 4), Int32(nblk), Int32(chunk), Int32(grid),
+           current_stream())
+        return codes, scales, g
+    if g is None:
+        g = global_scale(amax(x))
+    g = g.to(device=x.device, dtype=torch.float32).reshape(1).contiguous()
     if nblk:
         grid = max(1, min(sm_count(x.device) * QUANT_CTAS_PER_SM, -(-nblk // Quant.threads)))
         iters = -(-nblk // (grid * Quant.threads))
