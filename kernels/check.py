@@ -454,16 +454,15 @@ class Checker:
         row = Row("nvfp4", "quantise codes+scales", _shape(S, n), "bit-identical to torch bit-level quantiser",
                   ok_c and ok_s and ok_g, mismatches=dc + ds + (0 if ok_g else 1),
                   note=f"codes {dc} / scales {ds} / global {'ok' if ok_g else 'differs'}")
-        self.add(row, self._bench(lambda i: K.quantize(xs[i]),
-                                  {"eager": _with_compiled(lambda i: K.reference_quantize(xs[i]),
-                                                           lambda i: compiled(K.reference_quantize)(xs[i]))},
-                                  nbytes))
+        torch_quant = {"eager": _with_compiled(lambda i: K.reference_quantize(xs[i]),
+                                               lambda i: compiled(K.reference_quantize)(xs[i]))}
+        self.add(row, self._bench(lambda i: K.quantize(xs[i]), torch_quant, nbytes))
         # the same work in two kernels (the global amax, a read of x, then the quantise given g) side by side,
         # and each of them measured against the copy rate on its own bytes
         two = K.quantize(xs[0], K.global_scale(K.amax(xs[0])))
         ok = all(bits_equal(a, b)[0] for a, b in zip(two, (codes, scales, g)))
         self.add(Row("nvfp4", "quantise, two kernels", _shape(S, n), "bit-identical to the one-pass row", ok),
-                 self._bench(lambda i: K.quantize(xs[i], K.global_scale(K.amax(xs[i]))), {}, nbytes))
+                 self._bench(lambda i: K.quantize(xs[i], K.global_scale(K.amax(xs[i]))), torch_quant, nbytes))
         self.add(exact_row("nvfp4", "amax (global scale)", _shape(S, n), K.amax(xs[0]),
                            xs[0].float().abs().amax().reshape(1), "torch abs().amax()"),
                  self._bench(lambda i: K.amax(xs[i]), {"eager": _with_compiled(

@@ -60,9 +60,9 @@ def test_check_harness_dry_run_on_cpu(torch_kernels):
     doc = check.run_checks("tiny", seq=70, do_bench=False, log=lambda s: None, device="cpu", families=MINE)
     failed = [(r["op"], r["case"], r["bar"], r["note"]) for r in doc["rows"] if not r["passed"]]
     assert not failed
-    assert len(doc["rows"]) == 24
+    assert len(doc["rows"]) == 25
     lines = check.format_rows(doc)
-    assert len(lines) >= 25
+    assert len(lines) >= 26
 
 
 def test_bars_catch_a_wrong_kernel(torch_kernels, monkeypatch):
