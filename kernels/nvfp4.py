@@ -278,8 +278,9 @@ class QuantOnePass:
                         w = rW[e, h, u]
                         m = cutlass.max(m, cutlass.max(w & 0x7FFF, (w >> 16) & 0x7FFF))
         m = group_max_int(m, 32)
+        warp = cute.arch.warp_idx()        # a shfl.sync of the whole warp: never inside the lane-0 branch
         if cute.arch.lane_idx() == 0:
-            red[cute.arch.warp_idx()] = m
+            red[warp] = m
         cute.arch.barrier()
         # ---- the grid-wide amax: every CTA's max, then its arrival; the last departure resets the counters
         if tidx == 0:
