@@ -830,8 +830,8 @@ def hc_fused(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, hea
 
 def hc_pre(x, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, fused: bool = False):
     """x [S, M, D] bf16 streams -> (y [S, D] bf16, post [S, M] fp32, comb [S, M, M] fp32); by the two kernels
-    (hc_mix, then hc_pre_apply), or fused=True by hc_fused: correct, but on the H100 of 2026-12-06 2.3x
-    slower at Pro shapes at best (460 vs 201 us; its parts wait for each other's mixes every 16-token tile)."""
+    (hc_mix, then hc_pre_apply), or fused=True by hc_fused: correct, but on the H100 (2026-12-06/07) slower at
+    Pro shapes at every tuning (460-511 vs 201 us; each tile's record sum and Sinkhorn sit on one CTA's path)."""
     import torch
     if x.dtype != torch.bfloat16 or x.dim() != 3:
         raise ValueError("hc_pre kernel takes x [S, M, D] bf16")
