@@ -23,6 +23,7 @@ block scales agree bit for bit with the reference on whatever device runs it.
 from __future__ import annotations
 
 import cutlass
+import numpy as np
 from cutlass import BFloat16, Float32, Int32, Uint32, cute
 from cutlass.memory import SmemAllocator
 
@@ -51,10 +52,16 @@ QUANT_CTAS_PER_SM = 4           # nvfp4_quant's grid an SM: the CTAs its registe
 HELD = 7168                     # blocks of x nvfp4_quant_onepass holds a CTA: 224 KiB of the 227 KiB allowed
 QUOTIENT_DEN_RANGE = (2.0 ** -60, 2.0 ** 60)   # block scales outside it: IEEE divisions (quotient_rn's range)
 FP4_MAX, FP8_MAX = 6.0, 448.0
-INV_FP4_FP8_MAX = 0.00037202381645329297   # float32(1) / float32(2688), exactly as fp32
+INV_FP4_FP8_MAX = float(np.float32(1) / np.float32(FP4_MAX * FP8_MAX))   # RN(1 / 2688) in fp32, as torch's
 FP32_TINY = 2.0 ** -126
 # E2M1 rounding as thresholds on |x| / bs, (value, inclusive): the code is the count passed; ties go to the even code
 E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def max_magnitude_bits(m: Int32, w: Int32) -> Int32:
+    """Trace-time: m raised to the larger bf16 magnitude (bits without the sign) of the pair in word w; the
+    integer max of magnitude bits orders bf16 as |x| does (NaN above inf, -0 as +0)."""
+    return cutlass.max(m, cutlass.max(w & 0x7FFF, (w >> 16) & 0x7FFF))
 
 
 class Amax:
@@ -86,8 +93,7 @@ class Amax:
                     cute.autovec_copy(mX[None, idx], rX[None, u])
             for u in cutlass.range_constexpr(self.unroll):
                 for e in cutlass.range_constexpr(4):
-                    w = rW[e, u]
-                    m = cutlass.max(m, cutlass.max(w & 0x7FFF, (w >> 16) & 0x7FFF))
+                    m = max_magnitude_bits(m, rW[e, u])
         m = group_max_int(m, 32)
         smem = SmemAllocator()
         red = smem.allocate_tensor(Int32, cute.make_layout((self.threads // 32,)), byte_alignment=16)
@@ -143,8 +149,7 @@ def quant_block(rW: cute.Tensor, g: Float32, rE: cute.Tensor, words: cute.Tensor
     # block amax from the magnitude bits (exact, and |-0| = +0 as torch's abs)
     mb = Int32(0)
     for j in cutlass.range_constexpr(8):
-        w = rW[j]
-        mb = cutlass.max(mb, cutlass.max(w & 0x7FFF, (w >> 16) & 0x7FFF))
+        mb = max_magnitude_bits(mb, rW[j])
     t = bits_f32(mb << 16) / (Float32(FP4_MAX) * g)
     rT = cute.make_rmem_tensor((2,), Float32)
     rT[0] = t
@@ -275,8 +280,7 @@ class QuantOnePass:
                     cute.autovec_copy(rX[None, None, u], sX[None, None, i])
                 for h in cutlass.range_constexpr(2):
                     for e in cutlass.range_constexpr(4):
-                        w = rW[e, h, u]
-                        m = cutlass.max(m, cutlass.max(w & 0x7FFF, (w >> 16) & 0x7FFF))
+                        m = max_magnitude_bits(m, rW[e, h, u])
         m = group_max_int(m, 32)
         warp = cute.arch.warp_idx()        # a shfl.sync of the whole warp: never inside the lane-0 branch
         if cute.arch.lane_idx() == 0:
