@@ -1,5 +1,5 @@
-"""NVFP4 activation quantise with the global scale from x's own amax: the one-pass kernel (nvfp4_quant_onepass)
-against the two kernels (amax, then quantise given g), side by side in one run, bit-compared, at sizes from one
+"""NVFP4 activation quantise with the global scale from x's own amax: the one-pass kernel (nvfp4_quant_onepass,
+every CTA shape of ONEPASS_CONFIGS) against the two kernels (amax, then quantise given g), side by side in one run, bit-compared, at sizes from one
 block to Pro's [4096, 7168]; the 1 GiB copy measured in the same run. Writes OUT/nvfp4_onepass.json row by row.
 
     PYTHONPATH=.:/tmp/pp python3 benchmarks/bench_nvfp4_onepass.py --out /tmp/dsv4-results/nvfp4
@@ -29,22 +29,23 @@ def main() -> int:
         k = n_sets(nbytes)
         gen = torch.Generator(device="cuda").manual_seed(s)
         xs = [(torch.randn(s, n, device="cuda", generator=gen) * 3).bfloat16() for _ in range(k)]
-        print(f"[{time.perf_counter() - t0:5.1f}s] {spec}: first one-pass launch", flush=True)
-        one = nvfp4.quantize(xs[0])
-        torch.cuda.synchronize()
         two = nvfp4.quantize(xs[0], nvfp4.global_scale(nvfp4.amax(xs[0])))
-        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(one, two))
-        t1 = time_fn(lambda i, xs=xs: nvfp4.quantize(xs[i]), k)
         t2 = time_fn(lambda i, xs=xs: nvfp4.quantize(xs[i], nvfp4.global_scale(nvfp4.amax(xs[i]))), k)
-        row = {"shape": [s, n], "bytes": nbytes, "sets": k, "bit_identical": same,
-               "one_pass_us": t1["us"], "two_kernels_us": t2["us"], "mode": t1["mode"],
-               "one_pass_of_copy": nbytes / t1["us"] / 1e3 / copy["GBps"],
-               "two_kernels_of_copy": nbytes / t2["us"] / 1e3 / copy["GBps"], "speedup": t2["us"] / t1["us"]}
+        row = {"shape": [s, n], "bytes": nbytes, "sets": k, "mode": t2["mode"], "two_kernels_us": t2["us"],
+               "two_kernels_of_copy": nbytes / t2["us"] / 1e3 / copy["GBps"], "one_pass": []}
+        print(f"[{time.perf_counter() - t0:5.1f}s] {spec:>10s} two kernels {t2['us']:7.1f} us "
+              f"({100 * row['two_kernels_of_copy']:3.0f}% copy)", flush=True)
+        for cfg in nvfp4.ONEPASS_CONFIGS:
+            one = nvfp4.quantize(xs[0], onepass=cfg)
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(one, two))
+            t1 = time_fn(lambda i, xs=xs, cfg=cfg: nvfp4.quantize(xs[i], onepass=cfg), k)
+            of_copy = nbytes / t1["us"] / 1e3 / copy["GBps"]
+            row["one_pass"].append({"config": cfg, "bit_identical": same, "us": t1["us"], "of_copy": of_copy,
+                                    "speedup": t2["us"] / t1["us"]})
+            print(f"[{time.perf_counter() - t0:5.1f}s] {'':>10s} one pass {cfg['threads']:4d}x{cfg['unroll']} "
+                  f"{t1['us']:7.1f} us ({100 * of_copy:3.0f}% copy)  {t2['us'] / t1['us']:.2f}x  "
+                  f"bits {'same' if same else 'DIFFER'}", flush=True)
         rows.append(row)
-        print(f"[{time.perf_counter() - t0:5.1f}s] {spec:>10s} one pass {t1['us']:7.1f} us "
-              f"({100 * row['one_pass_of_copy']:3.0f}% copy)  two kernels {t2['us']:7.1f} us "
-              f"({100 * row['two_kernels_of_copy']:3.0f}%)  {row['speedup']:.2f}x  bits {'same' if same else 'DIFFER'}",
-              flush=True)
         (args.out / "nvfp4_onepass.json").write_text(json.dumps(
             {"env": environment(), "copy_bandwidth": copy, "rows": rows}, indent=1))
     return 0

@@ -50,6 +50,8 @@ from ._common import (
 BLOCK = 16
 QUANT_CTAS_PER_SM = 4           # nvfp4_quant's grid an SM: the CTAs its registers let reside (test_kernels_compile)
 HELD = 7168                     # blocks of x nvfp4_quant_onepass holds a CTA: 224 KiB of the 227 KiB allowed
+# nvfp4_quant_onepass's CTA shapes, the default first (bench_nvfp4_onepass.py times them all)
+ONEPASS_CONFIGS = ({"threads": 512, "unroll": 4}, {"threads": 1024, "unroll": 2}, {"threads": 1024, "unroll": 1})
 QUOTIENT_DEN_RANGE = (2.0 ** -60, 2.0 ** 60)   # block scales outside it: IEEE divisions (quotient_rn's range)
 FP4_MAX, FP8_MAX = 6.0, 448.0
 INV_FP4_FP8_MAX = float(np.float32(1) / np.float32(FP4_MAX * FP8_MAX))   # RN(1 / 2688) in fp32, as torch's
@@ -234,8 +236,12 @@ class QuantOnePass:
     reduces their amax and only reads the rest; a grid-wide barrier (arrival counter) publishes the amax; the
     quantise pass then walks the chunk backwards, so the blocks not held are re-read newest first, from L2.
     The grid must be co-resident (it spins on the counter): at most one CTA an SM, which its shared memory
-    forces. sync [3] int32: amax bits, arrivals, departures; zero on entry and left zero by the last CTA."""
-    threads, unroll = 512, 4
+    forces. sync [3] int32: amax bits, arrivals, departures; zero on entry and left zero by the last CTA.
+    threads x unroll blocks are in flight a CTA in pass 1; pass 2 is bound by the quantiser's arithmetic, so
+    more threads an SM hide more of its latency (1024 needs at most 64 registers a thread)."""
+
+    def __init__(self, threads: int = 512, unroll: int = 4):
+        self.threads, self.unroll = threads, unroll
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, c_ptr: cute.Pointer, s_ptr: cute.Pointer, g_ptr: cute.Pointer,
@@ -377,8 +383,8 @@ def _build_quant():
                      Int32(1), Int32(1), Int32(1), fake_stream())
 
 
-def _build_quant_onepass():
-    return QuantOnePass(), (fake_ptr(BFloat16), fake_ptr(Uint32, 8), fake_ptr(cutlass.Float8E4M3FN, 1),
+def _build_quant_onepass(threads=512, unroll=4):
+    return QuantOnePass(threads, unroll), (fake_ptr(BFloat16), fake_ptr(Uint32, 8), fake_ptr(cutlass.Float8E4M3FN, 1),
                             fake_ptr(Float32, 4), fake_ptr(Int32, 4), Int32(1), Int32(1), Int32(1), fake_stream())
 
 
@@ -391,7 +397,7 @@ register(KernelDef("nvfp4_amax", "experts", BOTH, _build_amax, configs=({},),
                    doc="global |x| max (bf16 bits, atomic max), feeds the NVFP4 global scale"))
 register(KernelDef("nvfp4_quant", "experts", BOTH, _build_quant, configs=({},),
                    doc="NVFP4 quantise: e4m3 scale per 16, E2M1 codes by integer code"))
-register(KernelDef("nvfp4_quant_onepass", "experts", BOTH, _build_quant_onepass, configs=({},),
+register(KernelDef("nvfp4_quant_onepass", "experts", BOTH, _build_quant_onepass, configs=ONEPASS_CONFIGS,
                    doc="NVFP4 quantise with the global scale from x's own amax, x read once (grid barrier)"))
 register(KernelDef("nvfp4_dequant", "experts", BOTH, _build_dequant, configs=({},),
                    doc="NVFP4 dequantise to bf16"))
@@ -426,11 +432,12 @@ def amax(x):
     return bits.view(torch.float32)
 
 
-def quantize(x, g=None):
+def quantize(x, g=None, onepass=None):
     """x [..., n] bf16 (n % 16 == 0) -> (codes uint8 [..., n/2], scales float8_e4m3fn [..., n/16], g fp32 [1]).
 
     g: the global decode scale; default: from the tensor's amax as the reference does, in one launch
-    (nvfp4_quant_onepass); `quantize(x, global_scale(amax(x)))` gives the same bits in two.
+    (nvfp4_quant_onepass, CTA shape `onepass`, one of ONEPASS_CONFIGS, default the first);
+    `quantize(x, global_scale(amax(x)))` gives the same bits in two.
     """
     import torch
     x = x.contiguous()
@@ -441,10 +448,11 @@ def quantize(x, g=None):
     scales = torch.empty(*x.shape[:-1], x.size(-1) // BLOCK, dtype=torch.float8_e4m3fn, device=x.device)
     nblk = x.numel() // BLOCK
     if g is None and nblk:
+        cfg = onepass or ONEPASS_CONFIGS[0]
         g = torch.empty(1, dtype=torch.float32, device=x.device)
-        grid = max(1, min(sm_count(x.device), -(-nblk // QuantOnePass.threads)))
+        grid = max(1, min(sm_count(x.device), -(-nblk // cfg["threads"])))
         chunk = -(-nblk // grid)
-        fn = compile_kernel("nvfp4_quant_onepass", device_arch(x.device))
+        fn = compile_kernel("nvfp4_quant_onepass", device_arch(x.device), **cfg)
         fn(ptr(x), ptr(codes, Uint32, 8), ptr(scales, cutlass.Float8E4M3FN, 1), ptr(g, Float32, 4),
            ptr(scratch("nvfp4_sync", x.device, 4, torch.int32), Int32, 4), Int32(nblk), Int32(chunk), Int32(grid),
            current_stream())

@@ -141,15 +141,17 @@ def test_nvfp4_quant_grid_fits_its_residency():
 
 def test_nvfp4_one_pass_grid_is_co_resident():
     """nvfp4_quant_onepass spins on a grid-wide counter, so its grid (one CTA an SM) must all be resident at
-    once: its shared memory (HELD blocks of 32 bytes) fits one CTA in the 227 KiB an SM allows, and its
-    registers let at least that one CTA of 512 threads reside."""
+    once: its shared memory (HELD blocks of 32 bytes) fits one CTA in the 227 KiB an SM allows, and for every
+    CTA shape its registers let that one CTA reside, without spills."""
     from dsv4_kernels.compile import compile_in_child
-    from dsv4_kernels.nvfp4 import HELD, QuantOnePass
-    assert HELD * 32 + QuantOnePass.threads // 32 * 4 <= 227 * 1024
-    for arch in ("sm_90a", "sm_100a"):
-        row = compile_in_child("nvfp4_quant_onepass", {}, arch, resources=True)
-        assert row["ok"], row["error"]
-        assert row["threads"] == QuantOnePass.threads and row["ctas_per_sm_by_registers"] >= 1
+    from dsv4_kernels.nvfp4 import HELD, ONEPASS_CONFIGS
+    for cfg in ONEPASS_CONFIGS:
+        assert HELD * 32 + cfg["threads"] // 32 * 4 <= 227 * 1024
+        for arch in ("sm_90a", "sm_100a"):
+            row = compile_in_child("nvfp4_quant_onepass", cfg, arch, resources=True)
+            assert row["ok"], row["error"]
+            assert row["threads"] == cfg["threads"] and row["ctas_per_sm_by_registers"] >= 1, (cfg, arch, row)
+            assert row["local_bytes"] == 0, (cfg, arch, row)
 
 
 def test_resources_see_local_memory(tmp_path):

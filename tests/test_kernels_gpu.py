@@ -199,27 +199,28 @@ def test_nvfp4_quantise_is_bit_exact_and_writes_every_byte():
 
 @pytest.mark.parametrize("rows,n", [(1, 16), (7, 48), (300, 7168), (4096, 7168)])
 def test_nvfp4_one_pass_equals_the_two_kernels_and_leaves_its_counters_zero(rows, n):
-    """The one-pass quantiser (grid barrier on the amax) at sizes from one block to Pro's 4096 x 7168 (where
-    each CTA holds 7168 blocks on chip and re-reads the rest): codes, scales and g bit for bit those of the
-    amax kernel then the quantise given g and of the reference, the outlier that sets g placed last in x (the
-    CTA that sees it is the last to arrive only by chance); a second launch gives the same bits; the sync
-    counters are zero after each."""
+    """The one-pass quantiser (grid barrier on the amax), in every CTA shape of ONEPASS_CONFIGS, at sizes from
+    one block to Pro's 4096 x 7168 (where each CTA holds 7168 blocks on chip and re-reads the rest): codes,
+    scales and g bit for bit those of the amax kernel then the quantise given g and of the reference, the
+    outlier that sets g placed last in x (the CTA that sees it is the last to arrive only by chance); a second
+    launch gives the same bits; the sync counters are zero after each."""
     from dsv4_kernels import nvfp4
     from dsv4_kernels._common import scratch
     x = torch.randn(rows, n, device="cuda", generator=torch.Generator("cuda").manual_seed(rows))
     x[-1, -1] = -4000.0
     x = x.bfloat16()
-    one = nvfp4.quantize(x)
     two = nvfp4.quantize(x, nvfp4.global_scale(nvfp4.amax(x)))
     ref = nvfp4.reference_quantize(x)
-    again = nvfp4.quantize(x)
     sync = scratch("nvfp4_sync", x.device, 4, torch.int32)
-    for other in (two, ref, again):
-        assert torch.equal(one[0], other[0])
-        assert torch.equal(one[1].view(torch.uint8), other[1].view(torch.uint8))
-        assert torch.equal(one[2].view(torch.int32), other[2].view(torch.int32))
-    assert abs(one[2].item() * 2688 / 4000 - 1) < 1e-6                     # the outlier set g
-    assert sync.tolist() == [0, 0, 0, 0]
+    for onepass in nvfp4.ONEPASS_CONFIGS:
+        one = nvfp4.quantize(x, onepass=onepass)
+        again = nvfp4.quantize(x, onepass=onepass)
+        for other in (two, ref, again):
+            assert torch.equal(one[0], other[0]), onepass
+            assert torch.equal(one[1].view(torch.uint8), other[1].view(torch.uint8)), onepass
+            assert torch.equal(one[2].view(torch.int32), other[2].view(torch.int32)), onepass
+        assert abs(one[2].item() * 2688 / 4000 - 1) < 1e-6, onepass             # the outlier set g
+        assert sync.tolist() == [0, 0, 0, 0], onepass
 
 
 def test_kv_paged_write_touches_only_mapped_slots():
