@@ -93,10 +93,12 @@ def cubin_resources(cubin: bytes) -> dict:
             "ctas_per_sm_by_registers": _SM_REGISTERS // per_cta if per_cta else None}
 
 
-def compile_in_child(name: str, cfg: dict, arch: str, ptx_dir: Path | None = None, resources: bool = False) -> dict:
+def compile_in_child(name: str, cfg: dict, arch: str, ptx_dir: Path | None = None, resources: bool = False,
+                     lint: bool = False) -> dict:
     """compile_one in a child process that keeps what ptxas made (CuTeDSL reads CUTE_DSL_KEEP once, at import).
     ptx_dir: the PTX moved to ptx_dir/<kernel>[-<config>].<arch>.ptx, so that two trees' directories, compared
-    with `diff -r`, show whether a change alters any kernel. resources: the row gets cubin_resources."""
+    with `diff -r`, show whether a change alters any kernel. resources: the row gets cubin_resources. lint: the
+    row gets `lint`, ptx_lint's findings (warp collectives under lane-dependent branches) as strings."""
     with tempfile.TemporaryDirectory() as dump:
         env = dict(os.environ, CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
         code = ("import json, sys; from dsv4_kernels.compile import compile_one; "
@@ -109,6 +111,9 @@ def compile_in_child(name: str, cfg: dict, arch: str, ptx_dir: Path | None = Non
             row = {"kernel": name, "family": "", "arch": arch, "config": config_str(cfg), "ok": False,
                    "error": (proc.stderr.strip().splitlines() or ["the compile process died"])[-1][:300],
                    "seconds": 0.0}
+        if row["ok"] and lint:
+            from .ptx_lint import lint_ptx
+            row["lint"] = [str(f) for p in sorted(Path(dump).glob("*.ptx")) for f in lint_ptx(p.read_text())]
         if row["ok"] and ptx_dir is not None:
             stem = name + (f"-{config_str(cfg)}" if cfg else "")
             (ptx_dir / f"{stem}.{arch}.ptx").write_text("".join(p.read_text() for p in sorted(Path(dump).glob("*.ptx"))))
@@ -123,13 +128,13 @@ def compile_in_child(name: str, cfg: dict, arch: str, ptx_dir: Path | None = Non
 
 def compile_all(archs=ARCHS, subset: str = "all", kernels=None,
                 progress: Callable[[int, int, dict], None] | None = None, ptx_dir: Path | None = None,
-                resources: bool = False) -> list[dict]:
-    """Every planned (kernel, config, arch), in process; with ptx_dir (its PTX kept there) or resources (its
-    registers and local memory), each in a child process (compile_in_child)."""
+                resources: bool = False, lint: bool = False) -> list[dict]:
+    """Every planned (kernel, config, arch), in process; with ptx_dir (its PTX kept there), resources (its
+    registers and local memory) or lint (its PTX linted), each in a child process (compile_in_child)."""
     todo = plan(archs, subset, kernels)
     rows = []
     for i, (name, cfg, arch) in enumerate(todo):
-        rows.append(compile_in_child(name, cfg, arch, ptx_dir, resources) if ptx_dir or resources
+        rows.append(compile_in_child(name, cfg, arch, ptx_dir, resources, lint) if ptx_dir or resources or lint
                     else compile_one(name, cfg, arch))
         if progress:
             progress(i + 1, len(todo), rows[-1])

@@ -55,6 +55,24 @@ def test_cli_compile_json(capsys):
     assert all(r["arch"] == "sm_90a" and r["seconds"] > 0 for r in doc["rows"])
 
 
+def test_cli_compile_lint_reports_findings_and_exits_1(capsys, monkeypatch):
+    """--lint: each row carries its PTX findings (none for rmsnorm), and a finding fails the command (exit 1)
+    with the kernel and the instruction on stderr."""
+    from dsv4_kernels import compile as kc
+
+    from dsv4debug.cli import main
+    args = ["kernels", "compile", "--kernel", "rmsnorm", "--subset", "ci", "--arch", "sm_90a", "--lint"]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--json"])
+    assert e.value.code == 0
+    assert [r["lint"] for r in json.loads(capsys.readouterr().out)["rows"]] == [[], []]
+    real = kc.compile_in_child
+    monkeypatch.setattr(kc, "compile_in_child", lambda *a, **k: {**real(*a, **k), "lint": ["k: line 9: `bar.sync 0`"]})
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 1 and "lint: rmsnorm sm_90a" in capsys.readouterr().err
+
+
 def test_cli_compile_writes_each_configs_ptx_and_never_overwrites(tmp_path, capsys):
     """--ptx: one file per (kernel, config, arch) holding that config's PTX (the same bytes from two compiles,
     so a diff of two trees' directories shows only real changes); a directory with files in it is refused."""
@@ -170,15 +188,85 @@ def test_resources_see_local_memory(tmp_path):
     assert usage["local_bytes"] >= 64 * 4 and usage["threads"] == 32 and usage["registers"] > 0
 
 
-def test_no_kernel_spills_to_local_memory():
-    """Every kernel's CI configuration for sm_90a keeps its values in registers: a change that makes ptxas spill
-    (local memory, a performance cliff no CPU test would otherwise see) fails here with the kernel's name."""
+def test_lint_finds_the_warp_index_taken_inside_the_lane_zero_branch(tmp_path):
+    """The hang of the one-pass quantiser's first GPU launch, compiled by CuTeDSL: the warp index (a full-mask
+    shfl.sync) inside `if lane_idx() == 0` is one finding, naming the shfl.sync; taken before the branch, none."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).parent / "fixtures" / "lane_branch_kernel.py"
+    found = {}
+    for mode in ("hang", "fixed"):
+        dump = tmp_path / mode
+        dump.mkdir()
+        env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump))
+        proc = subprocess.run([sys.executable, str(script), "sm_90a", str(dump), mode], env=env, capture_output=True,
+                              text=True, check=False, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        found[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(found["hang"]) == 1 and "shfl.sync.idx" in found["hang"][0], found
+    assert found["fixed"] == []
+
+
+_PTX = """.visible .entry k(
+.param .u64 p
+)
+{{
+.reg .pred %p<4>; .reg .b32 %r<9>;
+mov.u32 %r1, %tid.x;
+{setup}
+@%p1 bra $L__BB0_2;
+{body}
+$L__BB0_2:
+ret;
+}}
+"""
+
+
+@pytest.mark.parametrize("setup,body,flagged", [
+    ("setp.ne.s32 %p1, %r1, 0;", "shfl.sync.bfly.b32 %r2, %r1, 1, 31, -1;", True),       # if tidx == 0
+    ("mov.u32 %r3, %laneid; setp.gt.u32 %p1, %r3, 3;", "vote.sync.ballot.b32 %r2, %p2, -1;", True),
+    ("setp.ne.s32 %p1, %r1, 0;", "shfl.sync.bfly.b32 %r2, %r1, 1, 31, 1;", False),       # a mask of lane 0 only
+    ("setp.ge.u32 %p1, %r1, 128;", "shfl.sync.bfly.b32 %r2, %r1, 1, 31, -1;", False),     # whole warps: tidx < 128
+    ("shr.u32 %r4, %r1, 5; setp.ne.s32 %p1, %r4, 0;", "bar.sync 1, 32;", False),         # warp 0 only
+    ("and.b32 %r4, %r1, 31; setp.ne.s32 %p1, %r4, 0;", "bar.sync 0;", True),            # lane 0 only
+    ("setp.ne.s32 %p1, %r1, 0;", ("@%p2 bra $L__BB0_2;\nmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                                  "{%r2, %r3, %r4, %r5}, {%r6, %r7, %r8, %r1}, {%r6, %r7}, {%r2, %r3, %r4, %r5};"),
+     True),
+])
+def test_lint_rules_on_small_ptx(setup, body, flagged):
+    """Which branches the lint calls lane-dependent (the thread id, the lane id, and what is computed from them,
+    but not whole-warp tests such as tidx < 128 or the warp index) and which instructions are collectives (full
+    membermask, or .aligned)."""
+    from dsv4_kernels.ptx_lint import lint_ptx
+    found = lint_ptx(_PTX.format(setup=setup, body=body))
+    assert bool(found) == flagged, found
+
+
+def test_lint_sees_a_loop_whose_trip_count_depends_on_the_lane():
+    """A backward branch on a lane-dependent predicate: lanes leave the loop at different trips, so a
+    full-mask shuffle in its body is a finding."""
+    from dsv4_kernels.ptx_lint import lint_ptx
+    ptx = _PTX.format(setup="mov.u32 %r2, 0;", body="").replace("@%p1 bra $L__BB0_2;", (
+        "$L__BB0_1:\nshfl.sync.bfly.b32 %r3, %r2, 1, 31, -1;\nadd.s32 %r2, %r2, 1;\n"
+        "setp.lt.u32 %p1, %r2, %r1;\n@%p1 bra $L__BB0_1;"))
+    (finding,) = lint_ptx(ptx)
+    assert "shfl.sync.bfly" in finding.instruction
+
+
+def test_no_kernel_spills_or_has_a_warp_collective_under_a_lane_branch():
+    """Every kernel's CI configuration for sm_90a keeps its values in registers (a change that makes ptxas
+    spill, a performance cliff no CPU test would otherwise see, fails here with the kernel's name), and its PTX
+    has no warp collective under a lane-dependent branch (a hang on the GPU)."""
     from dsv4_kernels.compile import compile_all
-    rows = compile_all(["sm_90a"], "ci", resources=True)
+    rows = compile_all(["sm_90a"], "ci", resources=True, lint=True)
     assert all(r["ok"] for r in rows), [(r["kernel"], r["error"]) for r in rows if not r["ok"]]
     spilled = [(r["kernel"], r["config"], r["local_bytes"]) for r in rows if r["local_bytes"]]
     assert not spilled, spilled
     assert all(r["registers"] for r in rows)
+    linted = [(r["kernel"], r["config"], r["lint"]) for r in rows if r["lint"]]
+    assert not linted, linted
 
 
 def test_hc_mix_parts_fill_one_cta_an_sm():

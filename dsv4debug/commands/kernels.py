@@ -41,9 +41,13 @@ def compile_cmd(arch: Annotated[str, typer.Option(help="comma-separated targets"
                     "--resources", help="also read each compiled kernel's registers a thread, local memory (spills) "
                                         "and CTAs an SM holds by registers from its cubin, one compile process "
                                         "per config")] = False,
+                lint: Annotated[bool, typer.Option(
+                    "--lint", help="also lint each config's PTX for warp collectives (full-mask shfl.sync, "
+                                   "mma.sync, bar.sync, ...) under a lane-dependent branch, which hang or "
+                                   "misbehave on the GPU; one compile process per config")] = False,
                 as_json: JsonOpt = False) -> None:
     """Compile every kernel for each target arch on this machine (no GPU: CUTE_DSL_ARCH-style targets, fake
-    tensors). Exit 1 when any compile fails."""
+    tensors). Exit 1 when any compile fails or, with --lint, any PTX has a finding."""
     _need_cutedsl()
     from dsv4_kernels import load_all
     from dsv4_kernels._common import ARCHS
@@ -70,26 +74,29 @@ def compile_cmd(arch: Annotated[str, typer.Option(help="comma-separated targets"
 
     import time
     t0 = time.perf_counter()
-    rows = compile_all(archs, subset, kernel, progress, ptx, resources)
+    rows = compile_all(archs, subset, kernel, progress, ptx, resources, lint)
     total = time.perf_counter() - t0
-    ok = all(r["ok"] for r in rows)
+    ok = all(r["ok"] and not r.get("lint") for r in rows)
     if as_json:
         print(json.dumps({"archs": archs, "subset": subset, "total_seconds": round(total, 2), "ok": ok,
                           "rows": [{k: v for k, v in r.items() if k != "traceback"} for r in rows]}, indent=1))
     else:
         t = Table(title=f"CuTeDSL compile ({len(rows)} kernels x configs x archs, {total:.1f} s)")
         usage = ("registers", "local_bytes", "threads", "ctas_per_sm_by_registers") if resources else ()
+        usage += ("lint",) if lint else ()
         for col in ("kernel", "family", "arch", "config", "seconds", *usage, "ok"):
             t.add_column({"registers": "regs", "local_bytes": "local B", "ctas_per_sm_by_registers": "CTAs/SM",
                           "seconds": "s"}.get(col, col), no_wrap=col in ("kernel", "config"))
         for r in rows:
             t.add_row(r["kernel"], r["family"], r["arch"], r["config"] or "-", f"{r['seconds']:.2f}",
-                      *(_fmt(r.get(c)) for c in usage),
+                      *(_fmt(len(r["lint"]) if c == "lint" and "lint" in r else r.get(c)) for c in usage),
                       "[green]ok[/]" if r["ok"] else f"[red]FAILED[/] {r['error']}")
         out.print(t)
         for r in rows:
             if not r["ok"]:
                 err.print(f"{r['kernel']} {r['arch']} {r['config']}:\n{r.get('traceback', '')}", highlight=False)
+            for finding in r.get("lint") or ():
+                err.print(f"lint: {r['kernel']} {r['arch']} {r['config']}: {finding}", highlight=False)
     raise typer.Exit(0 if ok else 1)
 
 
