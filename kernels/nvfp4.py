@@ -243,7 +243,7 @@ class QuantOnePass:
     is bound by the quantiser's arithmetic throughput (H100: 29 us at Pro's [4096, 7168] wherever x is), so
     the kernel takes the amax read plus that: 58 us, 1.02x the two kernels there, 1.2-1.7x below the L2."""
 
-    def __init__(self, threads: int = 512, unroll: int = 4):
+    def __init__(self, threads: int, unroll: int):
         self.threads, self.unroll = threads, unroll
 
     @cute.jit
@@ -386,9 +386,10 @@ def _build_quant():
                      Int32(1), Int32(1), Int32(1), fake_stream())
 
 
-def _build_quant_onepass(threads=512, unroll=4):
-    return QuantOnePass(threads, unroll), (fake_ptr(BFloat16), fake_ptr(Uint32, 8), fake_ptr(cutlass.Float8E4M3FN, 1),
-                            fake_ptr(Float32, 4), fake_ptr(Int32, 4), Int32(1), Int32(1), Int32(1), fake_stream())
+def _build_quant_onepass(threads, unroll):
+    args = (fake_ptr(BFloat16), fake_ptr(Uint32, 8), fake_ptr(cutlass.Float8E4M3FN, 1), fake_ptr(Float32, 4),
+            fake_ptr(Int32, 4), Int32(1), Int32(1), Int32(1), fake_stream())
+    return QuantOnePass(threads, unroll), args
 
 
 def _build_dequant():
