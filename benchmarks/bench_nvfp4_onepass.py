@@ -1,6 +1,7 @@
 """NVFP4 activation quantise with the global scale from x's own amax: the one-pass kernel (nvfp4_quant_onepass,
-every CTA shape of ONEPASS_CONFIGS) against the two kernels (amax, then quantise given g), side by side in one run, bit-compared, at sizes from one
-block to Pro's [4096, 7168]; the 1 GiB copy measured in the same run. Writes OUT/nvfp4_onepass.json row by row.
+every CTA shape of ONEPASS_CONFIGS) against the two kernels (amax, then quantise given g), side by side in one
+run, bit-compared, at sizes from one block to [8192, 7168]; the 1 GiB copy measured in the same run. Writes
+OUT/nvfp4_onepass.json row by row.
 
 Then the floor of any one-pass design at Pro's shape: no code can be computed before the global amax, so the
 time is at least one DRAM read of x (the amax kernel, input sets rotated past the L2) plus the quantiser's
@@ -25,12 +26,12 @@ def main() -> int:
     from dsv4_kernels import nvfp4
     from dsv4_kernels.check import copy_bandwidth, environment, n_sets, time_fn
     t0 = time.perf_counter()
-    copy = copy_bandwidth()
+    env, copy = environment(), copy_bandwidth()
     rows = []
     print(f"copy {copy['GBps']:.0f} GB/s", flush=True)
     for spec in args.shapes.split(","):
         s, n = map(int, spec.split("x"))
-        nbytes = s * n * 2 + s * n // 2 + s * n // 16          # x read once, codes and scales written
+        nbytes = quantise_bytes(s, n)
         k = n_sets(nbytes)
         gen = torch.Generator(device="cuda").manual_seed(s)
         xs = [(torch.randn(s, n, device="cuda", generator=gen) * 3).bfloat16() for _ in range(k)]
@@ -51,17 +52,25 @@ def main() -> int:
                   f"{t1['us']:7.1f} us ({100 * of_copy:3.0f}% copy)  {t2['us'] / t1['us']:.2f}x  "
                   f"bits {'same' if same else 'DIFFER'}", flush=True)
         rows.append(row)
-        write(args.out, environment(), copy, rows, None)
-    floor = one_pass_floor(torch, nvfp4, n_sets, time_fn, copy)
+        write(args.out, env, copy, rows, None)
+    floor = one_pass_floor(copy)
     print(f"[{time.perf_counter() - t0:5.1f}s] floor at 4096x7168: amax (DRAM read) {floor['amax_us']:.1f} us + "
           f"arithmetic (L2-resident, marginal) {floor['arithmetic_us']:.1f} us = {floor['floor_us']:.1f} us "
           f"({100 * floor['floor_of_copy']:.0f}% copy; the 80% bar needs {floor['bar_us']:.1f} us)", flush=True)
-    write(args.out, environment(), copy, rows, floor)
+    write(args.out, env, copy, rows, floor)
     return 0
 
 
-def one_pass_floor(torch, nvfp4, n_sets, time_fn, copy, rows=4096, n=7168):
-    nbytes = rows * n * 2 + rows * n // 2 + rows * n // 16
+def quantise_bytes(rows: int, n: int) -> int:
+    """x read once, codes and scales written."""
+    return rows * n * 2 + rows * n // 2 + rows * n // 16
+
+
+def one_pass_floor(copy, rows=4096, n=7168):
+    import torch
+    from dsv4_kernels import nvfp4
+    from dsv4_kernels.check import n_sets, time_fn
+    nbytes = quantise_bytes(rows, n)
     k = n_sets(rows * n * 2)
     gen = torch.Generator(device="cuda").manual_seed(7)
     xs = [(torch.randn(rows, n, device="cuda", generator=gen) * 3).bfloat16() for _ in range(k)]

@@ -111,12 +111,13 @@ def compile_in_child(name: str, cfg: dict, arch: str, ptx_dir: Path | None = Non
             row = {"kernel": name, "family": "", "arch": arch, "config": config_str(cfg), "ok": False,
                    "error": (proc.stderr.strip().splitlines() or ["the compile process died"])[-1][:300],
                    "seconds": 0.0}
+        ptx = [p.read_text() for p in sorted(Path(dump).glob("*.ptx"))] if row["ok"] else []
         if row["ok"] and lint:
             from .ptx_lint import lint_ptx
-            row["lint"] = [str(f) for p in sorted(Path(dump).glob("*.ptx")) for f in lint_ptx(p.read_text())]
+            row["lint"] = [str(f) for text in ptx for f in lint_ptx(text)]
         if row["ok"] and ptx_dir is not None:
             stem = name + (f"-{config_str(cfg)}" if cfg else "")
-            (ptx_dir / f"{stem}.{arch}.ptx").write_text("".join(p.read_text() for p in sorted(Path(dump).glob("*.ptx"))))
+            (ptx_dir / f"{stem}.{arch}.ptx").write_text("".join(ptx))
         if row["ok"] and resources:
             cubins = [cubin_resources(p.read_bytes()) for p in sorted(Path(dump).glob("*.cubin"))]
             row.update({k: max((c[k] for c in cubins if c[k] is not None), default=None) for k in

@@ -52,6 +52,8 @@ class Finding:
 class _Instr:
     line: int
     text: str
+    op: str
+    args: list[str]
     guard: str | None = None       # the predicate register of `@%p` / `@!%p`
 
 
@@ -84,23 +86,19 @@ def _functions(ptx: str):
 
 
 def _parse(body) -> tuple[list[_Instr], dict[str, int]]:
+    """The instructions, each split into opcode and operands once, and each label's instruction index."""
     instrs, labels = [], {}
     for lineno, text in body:
         m = _LABEL.match(text)
         if m:
             labels[m.group(1)] = len(instrs)
             continue
-        guard = None
-        g = re.match(r"^@(!?)(%\w+)\s+(.*)$", text)
-        if g:
-            guard, text = g.group(2), g.group(3)
-        instrs.append(_Instr(lineno, text, guard))
+        g = re.match(r"^@!?(%\w+)\s+(.*)$", text)
+        guard, text = (g.group(1), g.group(2)) if g else (None, text)
+        op, _, rest = text.partition(" ")
+        args = [a.strip() for a in rest.split(",")] if rest.strip() else []
+        instrs.append(_Instr(lineno, text, op, args, guard))
     return instrs, labels
-
-
-def _operands(text: str) -> tuple[str, list[str]]:
-    op, _, rest = text.partition(" ")
-    return op, [a.strip() for a in rest.split(",")] if rest.strip() else []
 
 
 def _imm(s: str) -> int | None:
@@ -108,6 +106,18 @@ def _imm(s: str) -> int | None:
         return int(s, 0)
     except ValueError:
         return None
+
+
+def _warp_uniform_tid_op(op: str, srcs: list[str], state: dict[str, int]) -> bool:
+    """%tid.x against or by a constant that keeps whole warps together: a warp index (tid >> 5, tid / 32,
+    tid & ~31) or a test of one (tid < 128)."""
+    c = _imm(srcs[1])
+    if c is None or not (srcs[0] == _TID or state.get(srcs[0]) == T):
+        return False
+    if op.startswith("setp"):
+        cmp = op.split(".")[1]
+        return (cmp in ("lt", "ge") and c % 32 == 0) or (cmp in ("le", "gt") and (c + 1) % 32 == 0)
+    return (op.startswith("shr") and c >= 5) or (op.startswith(("div", "and")) and c % 32 == 0)
 
 
 def _kind_of(op: str, args: list[str], state: dict[str, int]) -> int:
@@ -126,16 +136,8 @@ def _kind_of(op: str, args: list[str], state: dict[str, int]) -> int:
         kinds.append(T)
     if not kinds or max(kinds) == U:
         return U
-    if max(kinds) == T and len(srcs) == 2:                      # %tid.x op constant: a warp index?
-        c = _imm(srcs[1])
-        if c is not None and (srcs[0] == _TID or state.get(srcs[0]) == T) and (
-                (op.startswith("shr") and c >= 5) or (op.startswith(("div", "and")) and c % 32 == 0)):
-            return U
-    if op.startswith("setp") and max(kinds) == T and len(srcs) == 2:
-        c = _imm(srcs[1])
-        cmp = op.split(".")[1]
-        if c is not None and ((cmp in ("lt", "ge") and c % 32 == 0) or (cmp in ("le", "gt") and (c + 1) % 32 == 0)):
-            return U
+    if max(kinds) == T and len(srcs) == 2 and _warp_uniform_tid_op(op, srcs, state):
+        return U
     return V
 
 
@@ -145,13 +147,13 @@ def _taint(instrs: list[_Instr]) -> dict[str, int]:
     while changed:                                  # to a fixed point over loop-carried registers
         changed = False
         for ins in instrs:
-            op, args = _operands(ins.text)
-            if not args or not args[0].startswith("%") or op.startswith(("st.", "bra", "bar", "red.", "cp.")):
+            if not ins.args or not ins.args[0].startswith("%") or \
+                    ins.op.startswith(("st.", "bra", "bar", "red.", "cp.")):
                 continue
-            kind = _kind_of(op, args, state)
+            kind = _kind_of(ins.op, ins.args, state)
             if ins.guard is not None and state.get(ins.guard, U) == V:
                 kind = max(kind, V)                     # defined only in some lanes
-            for d in args[0].split("|"):                # setp's two predicates: %p|%q
+            for d in ins.args[0].split("|"):            # setp's two predicates: %p|%q
                 d = d.strip("{} ")
                 if kind > state.get(d, U):
                     state[d] = kind
@@ -159,11 +161,23 @@ def _taint(instrs: list[_Instr]) -> dict[str, int]:
     return state
 
 
-def _is_collective(text: str) -> bool:
-    op, args = _operands(text)
-    if op.startswith(_MASKED):
-        return bool(args) and args[-1] in _FULL_MASK
-    return op.startswith(_ALIGNED)
+def _is_collective(ins: _Instr) -> bool:
+    if ins.op.startswith(_MASKED):
+        return bool(ins.args) and ins.args[-1] in _FULL_MASK
+    return ins.op.startswith(_ALIGNED)
+
+
+def _divergent_span(i: int, j: int, instrs: list[_Instr], labels: dict[str, int]) -> range:
+    """What a lane-dependent branch at i to the label at j makes divergent: backward, the loop body [j, i);
+    forward, the skipped block (i, j) and, when that block ends by jumping over an else block, that too."""
+    if j <= i:
+        return range(j, i)
+    last = instrs[j - 1]
+    if j - 1 > i and last.op.startswith("bra") and last.guard is None and last.args:
+        end = labels.get(last.args[0])
+        if end is not None and end > j:
+            return range(i + 1, end)
+    return range(i + 1, j)
 
 
 def lint_function(name: str, body) -> list[Finding]:
@@ -171,27 +185,16 @@ def lint_function(name: str, body) -> list[Finding]:
     state = _taint(instrs)
     divergent: dict[int, int] = {}                      # instruction index -> line of the branch
     for i, ins in enumerate(instrs):
-        op, args = _operands(ins.text)
-        if not op.startswith("bra") or ins.guard is None or state.get(ins.guard, U) != V or not args:
-            continue
-        j = labels.get(args[0])
-        if j is None:
-            continue
-        span = range(i + 1, j) if j > i else range(j, i)
-        if j > i and j - 1 > i:
-            last_op, last_args = _operands(instrs[j - 1].text)
-            end = labels.get(last_args[0]) if last_op.startswith("bra") and instrs[j - 1].guard is None \
-                and last_args else None
-            if end is not None and end > j:
-                span = range(i + 1, end)
-        for k in span:
-            divergent.setdefault(k, ins.line)
+        if ins.op.startswith("bra") and ins.guard is not None and state.get(ins.guard, U) == V and ins.args \
+                and ins.args[0] in labels:
+            for k in _divergent_span(i, labels[ins.args[0]], instrs, labels):
+                divergent.setdefault(k, ins.line)
     out = []
     for i, ins in enumerate(instrs):
         branch = divergent.get(i)
         if ins.guard is not None and state.get(ins.guard, U) == V:
             branch = branch or ins.line
-        if branch is not None and _is_collective(ins.text):
+        if branch is not None and _is_collective(ins):
             out.append(Finding(name, ins.line, ins.text, branch))
     return out
 
