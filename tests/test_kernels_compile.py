@@ -172,39 +172,34 @@ def test_nvfp4_one_pass_grid_is_co_resident():
             assert row["local_bytes"] == 0, (cfg, arch, row)
 
 
-def test_resources_see_local_memory(tmp_path):
-    """A kernel whose register array is indexed at run time lives in local memory: cubin_resources says so, so
-    the spill check below can fail."""
+def _run_fixture(script: str, keep: str, dump, *args):
+    """tests/fixtures/<script> ARCH DUMP ARGS in a child process that keeps what ptxas made (CUTE_DSL_KEEP=keep)
+    in dump; its last line of output, as JSON."""
     import os
     import subprocess
     import sys
     from pathlib import Path
-    script = Path(__file__).parent / "fixtures" / "spilling_kernel.py"
-    env = dict(os.environ, CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, str(script), "sm_90a", str(tmp_path)], env=env, capture_output=True,
-                          text=True, check=False, cwd=tmp_path)
+    env = dict(os.environ, CUTE_DSL_KEEP=keep, CUTE_DSL_DUMP_DIR=str(dump))
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "fixtures" / script), "sm_90a", str(dump),
+                           *args], env=env, capture_output=True, text=True, check=False, cwd=dump)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    usage = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_resources_see_local_memory(tmp_path):
+    """A kernel whose register array is indexed at run time lives in local memory: cubin_resources says so, so
+    the spill check below can fail."""
+    usage = _run_fixture("spilling_kernel.py", "cubin", tmp_path)
     assert usage["local_bytes"] >= 64 * 4 and usage["threads"] == 32 and usage["registers"] > 0
 
 
 def test_lint_finds_the_warp_index_taken_inside_the_lane_zero_branch(tmp_path):
     """The hang of the one-pass quantiser's first GPU launch, compiled by CuTeDSL: the warp index (a full-mask
     shfl.sync) inside `if lane_idx() == 0` is one finding, naming the shfl.sync; taken before the branch, none."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    script = Path(__file__).parent / "fixtures" / "lane_branch_kernel.py"
     found = {}
     for mode in ("hang", "fixed"):
-        dump = tmp_path / mode
-        dump.mkdir()
-        env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump))
-        proc = subprocess.run([sys.executable, str(script), "sm_90a", str(dump), mode], env=env, capture_output=True,
-                              text=True, check=False, cwd=tmp_path)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        found[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        (tmp_path / mode).mkdir()
+        found[mode] = _run_fixture("lane_branch_kernel.py", "ptx", tmp_path / mode, mode)
     assert len(found["hang"]) == 1 and "shfl.sync.idx" in found["hang"][0], found
     assert found["fixed"] == []
 
