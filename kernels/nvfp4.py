@@ -453,6 +453,8 @@ def quantize(x, g=None, onepass=None):
     nblk = x.numel() // BLOCK
     if g is None and nblk:
         cfg = onepass or ONEPASS_CONFIGS[0]
+        if cfg not in ONEPASS_CONFIGS:
+            raise ValueError(f"nvfp4 quantize: onepass={cfg} is not one of the compiled CTA shapes {ONEPASS_CONFIGS}")
         g = torch.empty(1, dtype=torch.float32, device=x.device)
         grid = max(1, min(sm_count(x.device), -(-nblk // cfg["threads"])))
         chunk = -(-nblk // grid)

@@ -273,3 +273,12 @@ def test_hc_mix_parts_fill_one_cta_an_sm():
         assert parts == want, (S, parts)
         assert (K // CHUNK) % parts == 0
         assert parts == 1 or -(-S // MIX_TOKENS) * parts <= 132
+
+
+def test_nvfp4_one_pass_refuses_a_cta_shape_it_does_not_build():
+    """quantize(x, onepass=...) takes only the CTA shapes of ONEPASS_CONFIGS (the ones compiled, linted and
+    tested for co-residency), and says so before anything runs."""
+    import torch
+    from dsv4_kernels import nvfp4
+    with pytest.raises(ValueError, match="onepass=.*not one of the compiled CTA shapes"):
+        nvfp4.quantize(torch.zeros(4, 64, dtype=torch.bfloat16), onepass={"threads": 2048, "unroll": 1})
