@@ -263,6 +263,21 @@ def read(cache, block_table, seq_lens, rope: int = 64):
     return read_into(cache, bt, lens, starts, out, max(lens_host, default=0), rope)
 
 
+def dequantize_slots(cache, out, rope: int = 64):
+    """Every slot of a cache [..., tb] (flat slot order, whatever its paging) dequantised into out [slots, d]
+    bf16: kv_read over the identity block table."""
+    import torch
+    tb = cache.size(-1)
+    slots = cache.numel() // tb
+    if out.shape != (slots, _nope_of(tb, rope) + rope) or out.dtype != torch.bfloat16:
+        raise ValueError(f"dequantize_slots: out must be [{slots}, {_nope_of(tb, rope) + rope}] bf16")
+    bs = cache.size(-2) if cache.dim() >= 3 else (64 if slots % 64 == 0 else 1)
+    dev = cache.device
+    bt = torch.arange(slots // bs, dtype=torch.int32, device=dev)[None]
+    lens = torch.full((1,), slots, dtype=torch.int32, device=dev)
+    return read_into(cache.reshape(-1, bs, tb), bt, lens, torch.zeros_like(lens), out, slots, rope)
+
+
 def round_trip(kv, rope: int = 64, block_size: int = 64, generator=None):
     """The serving round trip for one sequence: quantise -> paged write (blocks in shuffled order) -> paged
     read by block table -> dequantise. Returns (kv', cache, block_table)."""

@@ -201,6 +201,41 @@ def test_choose_splits():
     assert sparse_attn.choose_splits(1, 64, 1) == 1                  # one block: nothing to split
 
 
+def test_dequantise_first_for_prefills_not_for_decodes_over_a_pool(monkeypatch):
+    """Prefills (each cache row read by many tokens) dequantise the caches once, decodes over a long pool read
+    rows once and dequantise in the kernel; the choice is made before any launch and can be forced."""
+    assert sparse_attn.dequant_first(4096, 128 + 1024, 4096 + 1024 + 128)          # Pro CSA prefill
+    assert sparse_attn.dequant_first(4096, 128, 4096 + 64)                          # SWA prefill
+    assert not sparse_attn.dequant_first(64, 1152, 64 * (128 + 16384))              # Pro CSA decode, 64 x 64K
+    assert not sparse_attn.dequant_first(1, 1152, 1152)                             # one token
+    assert not sparse_attn.dequant_first(1 << 20, 1152, (1 << 20) + 64)            # bf16 copy past 1 GiB
+    ca, cb = kv_cache.new_cache(5, 64, device="cpu"), kv_cache.new_cache(2, 64, device="cpu")
+    with pytest.raises(ValueError, match=r"out must be \[320, 512\] bf16"):
+        kv_cache.dequantize_slots(ca, torch.empty(10, 512, dtype=torch.bfloat16))
+    calls = []
+
+    def launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, *args):
+        calls.append((kv_fmt, src_a.dtype, tuple(src_a.shape), n_a, n_b))
+        return q
+
+    def dequantize(cache, out, rope=64):
+        out.copy_(kv_cache.reference_unpack(cache.view(-1, 584)))
+
+    monkeypatch.setattr(sparse_attn, "_launch", launch)
+    monkeypatch.setattr(kv_cache, "dequantize_slots", dequantize)
+    q = torch.zeros(300, 4, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(300, 200, dtype=torch.int32)
+    for mode, want in (("auto", ("bf16", torch.bfloat16, (448, 512), 448, 0)),
+                       ("first", ("bf16", torch.bfloat16, (448, 512), 448, 0)),
+                       ("kernel", ("fp8", torch.uint8, (5, 64, 584), 320, 128))):
+        sparse_attn.sparse_attn_fp8(q, idx, torch.zeros(4), ca, 0.1, cb, dequant=mode)
+        assert calls.pop() == want, mode
+    sparse_attn.sparse_attn_fp8(q[:1], idx[:1], torch.zeros(4), ca, 0.1, cb)          # one token: in-kernel
+    assert calls.pop()[0] == "fp8"
+    with pytest.raises(ValueError, match="dequant must be"):
+        sparse_attn.sparse_attn_fp8(q, idx, torch.zeros(4), ca, 0.1, cb, dequant="once")
+
+
 def test_split_cost_model_ranks_the_measured_decode_sweeps():
     """The forced-split sweeps (benchmarks/results: H200 2026-11-30, H100 2026-12-05 after the producer fixes,
     with the launch's own pick): in every decode case, the split count up to MAX_SPLITS that the cost model ranks

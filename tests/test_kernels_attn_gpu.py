@@ -231,3 +231,36 @@ def test_bf16_gemm_f32(m, n, k):
     want = x.double() @ w.double().T
     assert got.dtype == torch.float32 and got.shape == (m, n)
     assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-6
+
+
+@pytest.mark.parametrize("shape,layer,S", [("flash", "csa", 700), ("pro", "hca", 1100), ("flash", "swa", 300)])
+def test_dequantise_first_is_bit_identical_to_in_kernel_dequant(shape, layer, S):
+    """The prefill path (caches dequantised once by kv_read, then the bf16 kernel) must give the FP8 kernel's
+    output bit for bit: the same exact dequantisation, the same order of operations; with KV splits too."""
+    from dsv4_kernels import check_attn as C
+    from dsv4_kernels import sparse_attn as SA
+    p = C.make_prefill(shape, layer, S, seed=6)
+    _, (ca, cb, slot) = C.prepared_fp8(p)
+    q, sink = p["q"].contiguous(), p["sink"].float().contiguous()
+    assert SA.dequant_first(S, slot.size(1), (ca.numel() + (cb.numel() if cb is not None else 0)) // 584)
+    for ns in (1, 3):
+        inkernel = SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb, ns, dequant="kernel")
+        first = SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb, ns, dequant="first")
+        assert torch.equal(inkernel, first), (shape, layer, ns)
+    auto = SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb)
+    assert torch.equal(auto, SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb, dequant="kernel"))
+
+
+def test_dequantize_slots_matches_the_reference_unpack():
+    """Every slot of a paged cache (3-d, and a flat 2-d view) dequantised in slot order, as the reference reads it."""
+    from dsv4_kernels import kv_cache
+    from dsv4_kernels import sparse_attn as SA
+    g = torch.Generator(device="cuda").manual_seed(8)
+    rows = torch.randn(200, 512, device="cuda", generator=g).bfloat16()
+    cache, slots = SA.page_rows(rows, 16)
+    want = kv_cache.reference_unpack(cache.view(-1, 584))
+    for c in (cache, cache.view(-1, 584)):
+        out = torch.empty(cache.numel() // 584, 512, dtype=torch.bfloat16, device="cuda")
+        kv_cache.dequantize_slots(c, out)
+        assert torch.equal(out, want)
+    assert torch.equal(want[slots], kv_cache.reference_unpack(kv_cache.reference_pack(rows)))
