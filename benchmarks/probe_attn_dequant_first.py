@@ -25,6 +25,12 @@ def dequant_all(cache):
     return lambda: kv_cache.dequantize_slots(cache, out), out
 
 
+def checksum(o) -> int:
+    """Position-weighted sum of the output's bits: equal across runs iff (almost surely) bit-identical."""
+    w = torch.arange(o.numel(), device=o.device, dtype=torch.int64) % 9973 + 1
+    return int((o.reshape(-1).view(torch.int16).to(torch.int64) * w).sum())
+
+
 def probe_case(shape: str, layer: str, S: int, peaks: dict) -> dict:
     p = CA.make_prefill(shape, layer, S)
     _launch, (ca, cb, slot) = CA.prepared_fp8(p)
@@ -40,7 +46,7 @@ def probe_case(shape: str, layer: str, S: int, peaks: dict) -> dict:
     row = {"shape": shape, "layer": layer, "S": S, "K": slot.size(1), "fp8_s": t8, "dequant_s": tdq,
            "cache_rows": n_a + n_b, "gathers": int((slot >= 0).sum()),
            "first_api_s": ta, "first_api_bitequal": bool(torch.equal(oa, o8)),
-           "auto_first": SA.dequant_first(S, slot.size(1), n_a + n_b)}
+           "auto_first": SA.dequant_first(S, slot.size(1), n_a + n_b), "o_checksum": checksum(o8)}
     for la in (1, 2, 3):
         fn = (lambda la=la: SA._launch("bf16", q, slot, sink, ra, rb, n_a, n_b, 512 ** -0.5, 1, 32, la))
         ob = fn()
@@ -56,7 +62,7 @@ def probe_case(shape: str, layer: str, S: int, peaks: dict) -> dict:
           + "  ".join(f"bf16 la{la} {row[f'bf16_la{la}_s']*1e3:.3f} ms eq={row[f'bf16_la{la}_bitequal']}"
                       for la in (1, 2, 3))
           + f"  -> dq-first {row['dq_first_s']*1e3:.3f} ms ({row['dq_first_pct_cublas']:.1f}%)"
-          + f"  api {ta*1e3:.3f} ms eq={row['first_api_bitequal']}", flush=True)
+          + f"  api {ta*1e3:.3f} ms eq={row['first_api_bitequal']} sum={row['o_checksum']}", flush=True)
     return row
 
 

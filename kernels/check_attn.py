@@ -137,7 +137,8 @@ def prepared_fp8(p: dict, generator=None):
         slot = torch.where(v >= S, n_a + sb[(v - S).clamp(0, comp.size(0) - 1)], slot)
     slot = torch.where(v < 0, -1, slot).to(torch.int32).contiguous()
     q, sink = p["q"].contiguous(), p["sink"].float().contiguous()
-    return (lambda ns=None: SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb, ns)), (ca, cb, slot)
+    return ((lambda ns=None, dequant="auto": SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb, ns, dequant=dequant)),
+            (ca, cb, slot))
 
 
 def torch_baseline(p: dict, chunk: int = 512):
@@ -273,13 +274,19 @@ def _auto_splits(p: dict) -> int:
 
 
 def bench_case(p: dict, peaks: dict, reps: int = 20) -> dict[str, Any]:
+    from . import sparse_attn as SA
     launch, _keep = prepared_fp8(p)
     row = {"shape": p["shape"], "layer": p["layer"], "mode": p["mode"], "S": p["S"], "H": p["H"],
            "K": p["idx"].size(1), "valid_keys": int((p["idx"] >= 0).sum())}
     if "L" in p:
         row["L"] = p["L"]
     t, how = time_fn(launch, reps)
-    row.update(kernel_s=t, timing=how, splits_auto=_auto_splits(p))
+    ca, cb, slot = _keep
+    rows = (ca.numel() + (cb.numel() if cb is not None else 0)) // 584
+    row.update(kernel_s=t, timing=how, splits_auto=_auto_splits(p),
+               dequant_first=SA.dequant_first(slot.size(0), slot.size(1), rows))
+    if row["dequant_first"]:                        # the in-kernel dequantisation it replaces, side by side
+        row["dequant_in_kernel_s"], _ = time_fn(lambda: launch(dequant="kernel"), reps)
     if p["mode"] == "decode":                       # data for tuning choose_splits: a few forced split counts
         sweep = {}
         for ns in (1, 2, 4, 8, 16):
