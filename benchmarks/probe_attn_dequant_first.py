@@ -66,6 +66,19 @@ def probe_case(shape: str, layer: str, S: int, peaks: dict) -> dict:
     return row
 
 
+def decode_case(shape: str, layer: str, B: int, L: int) -> dict:
+    """A decode over a long pool (in-kernel dequantisation, auto splits): the consumer pipeline's effect there."""
+    p = CA.make_decode(shape, layer, B, L)
+    launch, _keep = CA.prepared_fp8(p)                # _keep holds the caches the launch reads
+    o = launch()
+    t, _ = CA.time_fn(launch)
+    row = {"shape": shape, "layer": layer, "mode": "decode", "B": B, "L": L, "fp8_s": t, "o_checksum": checksum(o),
+           "splits": CA._auto_splits(p)}
+    print(f"decode {shape} {layer} B={B} L={L}: {t*1e6:.1f} us (splits {row['splits']}) sum={row['o_checksum']}",
+          flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -75,6 +88,7 @@ def main():
     peaks = CA.device_peaks()
     print(f"cuBLAS bf16 {peaks['cublas_bf16_tflops']:.0f} TFLOP/s, copy {peaks['copy_gbps']:.0f} GB/s")
     rows = [probe_case(shape, layer, a.S, peaks) for shape in ("flash", "pro") for layer in ("swa", "hca", "csa")]
+    rows += [decode_case(*c) for c in (("pro", "csa", 64, 65536), ("pro", "csa", 1, 65536), ("flash", "csa", 16, 65536))]
     env = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__}
     (a.out / "probe_attn_dequant_first.json").write_text(json.dumps({"env": env, "peaks": peaks, "rows": rows},
