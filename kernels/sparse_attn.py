@@ -32,8 +32,7 @@ One CTA = (64 heads of one token, one KV split). 384 threads:
         masked columns -> -inf; online softmax in fp32 in the exp2 domain (row max and rescale);
         P = exp2(S * scale * log2 e - m) rounded to bf16 and used as the register-sourced A operand of
         O_c += P V[:, 256c:256c+256]  (WGMMA m64n256k16 RS; V is the same smem tile as K, read through a
-        transposed (MN-major) view). Software-pipelined by one block: S of block j is issued before P.V of
-        block j - 1, so the exchange and softmax of block j run while the tensor cores do that P.V.
+        transposed (MN-major) view).
   Epilogue: l summed over the quad; without splits the sink enters the denominator here:
       m' = max(m, sink*log2 e); o = acc * 2^(m - m') / (l 2^(m - m') + 2^(sink log2 e - m')), bf16 out.
   With splits (decode with few tokens / long index lists), each split writes its normalised partial
@@ -384,40 +383,76 @@ class SparseAttn:
         row_sum = cute.make_rmem_tensor((2,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
+        n_ksteps_s = cute.size(tSrQ, mode=[2])
+        n_ksteps_o = cute.size(tOrP, mode=[2])
 
-        # Software pipeline (one block of P.V in flight): S of block j is issued before P.V of block j - 1, so
-        # the tensor cores run that P.V while this warpgroup exchanges and softmaxes block j's scores; then
-        # the P.V is awaited, its stage released, O rescaled and block j's P stored for the next iteration.
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        pv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        rP = cute.make_tensor(tOrP.iterator, tOrP.layout)
-        alpha = cute.make_rmem_tensor((2,), Float32)
-        if nblk > 0:
+        for j in cutlass.range(nblk, unroll=1):
+            ks = read_state.index
             pipe.consumer_wait(read_state)
-            self.issue_s(tiled_mma_qk, acc_S, tSrQ, tSrK, read_state.index)
+            # S partial over this warpgroup's 256 dims
+            warpgroup.fence()
+            mma = cute.make_mma_atom(tiled_mma_qk.op)
+            mma.set(warpgroup.Field.ACCUMULATE, False)
+            for k in cutlass.range_constexpr(n_ksteps_s):
+                cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, ks], acc_S)
+                mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
             warpgroup.wait_group(0)
-            self.block_softmax(acc_S, sX, sValid, tScS, cons_bar, ctid, c, 0, read_state.index, scale_log2,
-                               row_max, row_sum, alpha)
-            self.store_p(acc_S, rP)
-            read_state.advance()
-        for j in cutlass.range(1, nblk, unroll=1):
-            pipe.consumer_wait(read_state)
-            self.issue_s(tiled_mma_qk, acc_S, tSrQ, tSrK, read_state.index)
-            self.issue_pv(tiled_mma_pv, acc_O, tOrP, tOrV, pv_state.index)
-            warpgroup.wait_group(1)                                   # S of block j landed; P.V in flight
-            self.block_softmax(acc_S, sX, sValid, tScS, cons_bar, ctid, c, j % 2, read_state.index, scale_log2,
-                               row_max, row_sum, alpha)
-            warpgroup.wait_group(0)
-            pipe.consumer_release(pv_state)
-            pv_state.advance()
-            for i in cutlass.range(cute.size(acc_O), unroll_full=True):   # values alternate rows in pairs
+            # exchange partial scores with the other consumer warpgroup (double-buffered by block parity)
+            par = j % 2
+            for i in cutlass.range_constexpr(s_vals):
+                sX[i, ctid, c, par] = acc_S[i]
+            cons_bar.arrive_and_wait()
+            for i in cutlass.range_constexpr(s_vals):
+                acc_S[i] = acc_S[i] + sX[i, ctid, 1 - c, par]
+            # mask, scale to the exp2 domain, block row max
+            bmax = cute.make_rmem_tensor((2,), Float32)
+            bmax.fill(-Float32.inf)
+            for i in cutlass.range_constexpr(s_vals):
+                _, col = tScS[i]
+                t = acc_S[i] * scale_log2
+                if sValid[col, ks] == 0:
+                    t = -Float32.inf
+                acc_S[i] = t
+                h = (i // 2) % 2
+                bmax[h] = cute.arch.fmax(bmax[h], t)
+            alpha = cute.make_rmem_tensor((2,), Float32)
+            m_use = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                b = bmax[h]
+                b = cute.arch.fmax(b, cute.arch.shuffle_sync_bfly(b, offset=1))
+                b = cute.arch.fmax(b, cute.arch.shuffle_sync_bfly(b, offset=2))
+                m_new = cute.arch.fmax(row_max[h], b)
+                mu = m_new
+                if m_new == -Float32.inf:
+                    mu = Float32(0.0)
+                m_use[h] = mu
+                alpha[h] = cute.math.exp2(row_max[h] - mu, fastmath=True)
+                row_max[h] = m_new
+            for i in cutlass.range_constexpr(s_vals):
+                h = (i // 2) % 2
+                acc_S[i] = cute.math.exp2(acc_S[i] - m_use[h], fastmath=True)
+            for h in cutlass.range_constexpr(2):
+                row_sum[h] = row_sum[h] * alpha[h]
+            for i in cutlass.range_constexpr(s_vals):
+                h = (i // 2) % 2
+                row_sum[h] = row_sum[h] + acc_S[i]
+            # rescale O (each thread's accumulator values alternate rows in pairs, like S)
+            for i in cutlass.range(cute.size(acc_O), unroll_full=True):
                 acc_O[i] = acc_O[i] * alpha[(i // 2) % 2]
+            # P -> bf16 in the A-operand register layout (same thread/value map as the accumulator)
+            rP = cute.make_tensor(tOrP.iterator, tOrP.layout)
             self.store_p(acc_S, rP)
-            read_state.advance()
-        if nblk > 0:
-            self.issue_pv(tiled_mma_pv, acc_O, tOrP, tOrV, pv_state.index)
+            warpgroup.fence()
+            mma2 = cute.make_mma_atom(tiled_mma_pv.op)
+            mma2.set(warpgroup.Field.ACCUMULATE, True)
+            for k in cutlass.range_constexpr(n_ksteps_o):
+                cute.gemm(mma2, acc_O, tOrP[None, None, k], tOrV[None, None, k, ks], acc_O)
+            warpgroup.commit_group()
             warpgroup.wait_group(0)
-            pipe.consumer_release(pv_state)
+            pipe.consumer_release(read_state)
+            read_state.advance()
 
         # ---- epilogue
         for h in cutlass.range_constexpr(2):
@@ -467,74 +502,6 @@ class SparseAttn:
             for i in cutlass.range(cute.size(acc_O), unroll_full=True):
                 rO[i] = (acc_O[i] * factor[(i // 2) % 2]).to(BFloat16)
             cute.autovec_copy(rO, tOgO)
-
-    @cute.jit
-    def issue_s(self, tiled_mma_qk: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
-                ks: Int32):
-        """S partial over this warpgroup's 256 dims for the block in stage ks (one WGMMA group, not awaited)."""
-        warpgroup.fence()
-        mma = cute.make_mma_atom(tiled_mma_qk.op)
-        mma.set(warpgroup.Field.ACCUMULATE, False)
-        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, ks], acc_S)
-            mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def issue_pv(self, tiled_mma_pv: cute.TiledMma, acc_O: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
-                 ks: Int32):
-        """O_c += P V_c for the block in stage ks, P from registers (one WGMMA group, not awaited)."""
-        warpgroup.fence()
-        mma = cute.make_mma_atom(tiled_mma_pv.op)
-        mma.set(warpgroup.Field.ACCUMULATE, True)
-        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(mma, acc_O, tOrP[None, None, k], tOrV[None, None, k, ks], acc_O)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def block_softmax(self, acc_S: cute.Tensor, sX: cute.Tensor, sValid: cute.Tensor, tScS: cute.Tensor,
-                      cons_bar, ctid: Int32, c: Int32, par: Int32, ks: Int32, scale_log2: Float32,
-                      row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor):
-        """Block scores -> unnormalised probabilities in acc_S (fp32), the running row max / sum updated and
-        alpha = the factor the accumulator is rescaled by. The partial scores are exchanged with the other
-        consumer warpgroup (double-buffered by block parity) and added: both then hold the same S."""
-        s_vals = cute.size(acc_S)
-        for i in cutlass.range_constexpr(s_vals):
-            sX[i, ctid, c, par] = acc_S[i]
-        cons_bar.arrive_and_wait()
-        for i in cutlass.range_constexpr(s_vals):
-            acc_S[i] = acc_S[i] + sX[i, ctid, 1 - c, par]
-        # mask, scale to the exp2 domain, block row max
-        bmax = cute.make_rmem_tensor((2,), Float32)
-        bmax.fill(-Float32.inf)
-        for i in cutlass.range_constexpr(s_vals):
-            _, col = tScS[i]
-            t = acc_S[i] * scale_log2
-            if sValid[col, ks] == 0:
-                t = -Float32.inf
-            acc_S[i] = t
-            h = (i // 2) % 2
-            bmax[h] = cute.arch.fmax(bmax[h], t)
-        m_use = cute.make_rmem_tensor((2,), Float32)
-        for h in cutlass.range_constexpr(2):
-            b = bmax[h]
-            b = cute.arch.fmax(b, cute.arch.shuffle_sync_bfly(b, offset=1))
-            b = cute.arch.fmax(b, cute.arch.shuffle_sync_bfly(b, offset=2))
-            m_new = cute.arch.fmax(row_max[h], b)
-            mu = m_new
-            if m_new == -Float32.inf:
-                mu = Float32(0.0)
-            m_use[h] = mu
-            alpha[h] = cute.math.exp2(row_max[h] - mu, fastmath=True)
-            row_max[h] = m_new
-        for i in cutlass.range_constexpr(s_vals):
-            h = (i // 2) % 2
-            acc_S[i] = cute.math.exp2(acc_S[i] - m_use[h], fastmath=True)
-        for h in cutlass.range_constexpr(2):
-            row_sum[h] = row_sum[h] * alpha[h]
-        for i in cutlass.range_constexpr(s_vals):
-            h = (i // 2) % 2
-            row_sum[h] = row_sum[h] + acc_S[i]
 
     @cute.jit
     def store_p(self, acc_S: cute.Tensor, rP: cute.Tensor):
