@@ -152,7 +152,9 @@ def phase_bench() -> dict:
                 f"{row['tflops']:.1f} TFLOP/s = {row['pct_of_cublas_bf16']:.1f}% of cuBLAS bf16, "
                 f"{row['gbps']:.0f} GB/s = {row['pct_of_copy_bw']:.1f}% of copy, {row['pct_of_roofline']:.1f}% of "
                 f"roofline ({row['flop_per_byte']:.0f} FLOP/B; the copy bar needs {row['tflops_for_copy_bar']:.0f} "
-                f"TFLOP/s), splits {row['splits_auto']}")
+                f"TFLOP/s), splits {row['splits_auto']}"
+                + (f", caches dequantised first {row['dequant_first_s'] * 1e6:.1f} us "
+                   f"(x{row['kernel_s'] / row['dequant_first_s']:.2f})" if "dequant_first_s" in row else ""))
         del p
         torch.cuda.empty_cache()
     for shape, S in (("flash", 16384), ("pro", 16384)):

@@ -11,8 +11,8 @@ KV sources (static `kv` of the configuration):
   "fp8"   the paged FP8 cache of kernels/kv_cache.py, 584 bytes a token (448 e4m3 + 64 bf16 rope + 7 ue8m0
           scale bytes + pad); the kernel dequantises in shared memory (exact: e4m3 * 2^k fits bf16).
   "bf16"  plain bf16 rows [N, 512].
-  A prefill reads each cache row for many tokens, so sparse_attn_fp8 dequantises both caches once (kv_read)
-  and runs the "bf16" kernel on the same slots (bit-identical output; `dequant_first`).
+  A prefill reads each cache row for many tokens: sparse_attn_fp8(dequant="first" | "auto") dequantises both
+  caches once (kv_read) and runs the "bf16" kernel on the same slots (bit-identical output; `dequant_first`).
   An index v < n_a reads row/slot v of source A, n_a <= v < n_a + n_b reads slot v - n_a of source B
   (window KV and compressed entries live in two caches); v < 0 or past the end is skipped (-1 = skip).
 
@@ -718,9 +718,10 @@ def sparse_attn_bf16(q, kv, idx, sink, scale: float, num_splits: int | None = No
 
 # A prefill reads each cache row for up to ~K tokens (window and causal entries overlap between neighbours), so
 # dequantising it in every (token, key) gather is the bulk of the FP8 kernel's time (2026-12-04: the producer's
-# dequantisation alone 4889 of 7361 clocks a block). From DEQUANT_FIRST_REUSE index entries a cache row on, the
-# caches are dequantised once (kv_read, exact) and the bf16 kernel gathers those rows: the same values in the
-# same order, so the output is bit-identical. Decodes over a long pool read most rows once and stay in-kernel.
+# dequantisation alone 4889 of 7361 clocks a block). dequant="auto" dequantises the caches once (kv_read, exact)
+# from DEQUANT_FIRST_REUSE index entries a cache row on, and the bf16 kernel gathers those rows: the same values
+# in the same order, so the output is bit-identical. Decodes over a long pool read most rows once. Not yet timed
+# on a GPU (2026-12-07: no machine for the run), so the default stays "kernel" until bench_attention measures it.
 DEQUANT_FIRST_REUSE = 8
 DEQUANT_FIRST_MAX_BYTES = 1 << 30                  # bf16 copy of the caches at most (1 Mi rows)
 
@@ -731,12 +732,12 @@ def dequant_first(S: int, K: int, cache_rows: int) -> bool:
 
 
 def sparse_attn_fp8(q, idx, sink, cache_a, scale: float, cache_b=None, num_splits: int | None = None,
-                    bn: int = 32, dequant: str = "auto"):
+                    bn: int = 32, dequant: str = "kernel"):
     """q [S, H, 512] bf16; cache_a / cache_b: FP8 caches [.., 584] uint8 (kernels/kv_cache.py layout, e.g.
     [num_blocks, block_size, 584]); idx [S, K] flat slots: v < slots(cache_a) reads cache_a slot v, larger v
     read cache_b slot v - slots(cache_a); -1 skips. -> o [S, H, 512] bf16.
     dequant: "kernel" (every gathered row in shared memory), "first" (both caches once, then the bf16 kernel)
-    or "auto" (dequant_first()); the output is the same bit for bit."""
+    or "auto" ("first" where dequant_first() holds); the output is the same bit for bit."""
     import torch
 
     from . import kv_cache

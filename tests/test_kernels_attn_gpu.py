@@ -247,8 +247,8 @@ def test_dequantise_first_is_bit_identical_to_in_kernel_dequant(shape, layer, S)
         inkernel = SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb, ns, dequant="kernel")
         first = SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb, ns, dequant="first")
         assert torch.equal(inkernel, first), (shape, layer, ns)
-    auto = SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb)
-    assert torch.equal(auto, SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb, dequant="kernel"))
+    auto = SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb, dequant="auto")
+    assert torch.equal(auto, SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb))
 
 
 def test_dequantize_slots_matches_the_reference_unpack():
