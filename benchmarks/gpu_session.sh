@@ -28,7 +28,9 @@ log=${OUT:-/tmp}/session.log
       pytest)    cmd=(python3 -m pytest -q -p no:cacheprovider -rfE ${phases//,/ }) ;;
       *) echo "unknown step $name"; continue ;;
     esac
-    timeout -k 5 "$limit" "${cmd[@]}"
+    # SIGABRT at the limit: with PYTHONFAULTHANDLER Python prints every thread's stack first, so a hung kernel
+    # shows which launch or synchronize it was (a plain timeout left no trace of where, 2026-12-07)
+    PYTHONFAULTHANDLER=1 timeout -s ABRT -k 5 "$limit" "${cmd[@]}"
     echo "=== $name exit $? $(date -u +%T)"
   done
 } 2>&1 | tee "$log"
