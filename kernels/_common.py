@@ -203,10 +203,12 @@ def scratch(kind: str, device, numel: int, dtype):
     """`numel` elements of a device buffer kept for the process (split-K partials, zeroed tickets that every
     launch leaves zero again), shared by all launches of a kind whose size rounds up to the same power of
     two: a decode of any token count reuses one. Never freed or replaced, since a CUDA graph that captured a
-    launch keeps using the buffer it saw. Launches on one stream only: two at once would share it."""
+    launch keeps using the buffer it saw. One buffer a stream: launches on two streams at once would otherwise
+    share tickets and partials (launches on one stream are ordered, so they may share)."""
     import torch
     size = 1 << max(0, numel - 1).bit_length()
-    key = (kind, str(device), dtype, size)
+    stream = torch.cuda.current_stream(device).cuda_stream if torch.device(device).type == "cuda" else None
+    key = (kind, str(device), dtype, size, stream)
     buf = _SCRATCH.get(key)
     if buf is None:
         buf = _SCRATCH[key] = torch.zeros(size, dtype=dtype, device=device)

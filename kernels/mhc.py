@@ -455,7 +455,7 @@ class HcFused:
         self.storage = Storage
         self.kernel(x_ptr, fn_ptr, mScale, mBase, y_ptr, mPost, mComb, rec_ptr, cnt_ptr, fin_ptr, flag_ptr, S,
                     slots, norm_eps, hc_eps).launch(grid=[self.parts, slots, 1], block=[self.threads, 1, 1],
-                                                    stream=stream)
+                                                    stream=stream, cooperative=True)   # co-resident or an error
 
     @cute.jit
     def load_fn(self, fn_ptr: cute.Pointer, sf: Int32, tidx: Int32, part: Int32):

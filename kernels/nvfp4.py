@@ -253,8 +253,10 @@ class QuantOnePass:
         mC = cute.make_tensor(c_ptr, cute.make_layout((2, nblk), stride=(1, 2)))
         mS = cute.make_tensor(s_ptr, cute.make_layout((nblk,)))
         mG = cute.make_tensor(g_ptr, cute.make_layout((1,)))
+        # cooperative: the driver refuses a grid that cannot be co-resident (an SM taken by another context,
+        # MPS) with an error, where a plain launch would spin on the barrier forever
         self.kernel(mX, mC, mS, mG, sync_ptr, nblk, chunk).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1],
-                                                                  stream=stream)
+                                                                  stream=stream, cooperative=True)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mC: cute.Tensor, mS: cute.Tensor, mG: cute.Tensor, sync_ptr: cute.Pointer,

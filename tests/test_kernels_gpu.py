@@ -223,6 +223,35 @@ def test_nvfp4_one_pass_equals_the_two_kernels_and_leaves_its_counters_zero(rows
         assert sync.tolist() == [0, 0, 0, 0], onepass
 
 
+def test_grid_barrier_and_split_k_kernels_on_two_streams_at_once():
+    """The one-pass NVFP4 quantiser (grid barrier, launched cooperatively) and hc_pre (hc_mix's K-split
+    tickets) queued on two streams at once, each stream on its own input: every result equals the same call
+    run alone, since each stream gets its own sync counters, tickets and partials (a shared set would mix the
+    two launches' arrivals)."""
+    from dsv4_kernels import mhc, nvfp4
+    from dsv4_kernels._common import scratch
+    g = torch.Generator(device="cuda").manual_seed(11)
+    xs = [torch.randn(2048, 7168, device="cuda", generator=g).bfloat16() * (1 + i) for i in range(2)]
+    hs = [torch.randn(700, 4, 4096, device="cuda", generator=g).bfloat16() for _ in range(2)]
+    fn = torch.randn(24, 4 * 4096, device="cuda", generator=g) / 128
+    sc, base = torch.ones(3, device="cuda"), 0.01 * torch.randn(24, device="cuda", generator=g)
+    alone = [(nvfp4.quantize(x), mhc.hc_pre(h, fn, sc, base, 20, 1e-6, 1e-6)) for x, h in zip(xs, hs)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    torch.cuda.synchronize()
+    together = [None, None]
+    for _ in range(3):                                         # queue both streams before waiting on either
+        for i, st in enumerate(streams):
+            with torch.cuda.stream(st):
+                together[i] = (nvfp4.quantize(xs[i]), mhc.hc_pre(hs[i], fn, sc, base, 20, 1e-6, 1e-6))
+    torch.cuda.synchronize()
+    for (q1, m1), (q2, m2) in zip(alone, together):
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(q1, q2))
+        assert all(torch.equal(a, b) for a, b in zip(m1, m2))
+    with torch.cuda.stream(streams[0]):
+        other = scratch("nvfp4_sync", "cuda", 4, torch.int32)
+    assert other.data_ptr() != scratch("nvfp4_sync", "cuda", 4, torch.int32).data_ptr()
+
+
 def test_kv_paged_write_touches_only_mapped_slots():
     from dsv4_kernels import kv_cache
     kv = torch.randn(100, 512, device="cuda").bfloat16()
