@@ -70,6 +70,7 @@ def _short(row: dict) -> str:
 def phase_smoke() -> dict:
     from dsv4_kernels import check_attn as C
     from dsv4_kernels import load_all
+    from dsv4_kernels import sparse_attn as SA
     from dsv4_kernels._common import compile_kernel
     load_all()
     r: dict = {"compile": {}}
@@ -77,7 +78,8 @@ def phase_smoke() -> dict:
                 {"kv": "bf16", "split": True}):
         t = time.perf_counter()
         name = f"{cfg['kv']}{'_split' if cfg['split'] else ''}"
-        _try(r["compile"], name, lambda cfg=cfg: bool(compile_kernel("sparse_attn", "sm_90a", bn=32, lookahead=2, **cfg)))
+        _try(r["compile"], name, lambda cfg=cfg: bool(compile_kernel("sparse_attn", "sm_90a", bn=32,
+                                                                     lookahead=SA.LOOKAHEAD[cfg["kv"]], **cfg)))
         log(f"  compile sparse_attn {name}: {time.perf_counter() - t:.2f} s")
     _try(r["compile"], "combine", lambda: bool(compile_kernel("sparse_attn_combine", "sm_90a", d=512)))
     _try(r, "probe", lambda: C.single_key_probe("flash", S=64))
@@ -153,8 +155,8 @@ def phase_bench() -> dict:
                 f"{row['gbps']:.0f} GB/s = {row['pct_of_copy_bw']:.1f}% of copy, {row['pct_of_roofline']:.1f}% of "
                 f"roofline ({row['flop_per_byte']:.0f} FLOP/B; the copy bar needs {row['tflops_for_copy_bar']:.0f} "
                 f"TFLOP/s), splits {row['splits_auto']}"
-                + (f", caches dequantised first {row['dequant_first_s'] * 1e6:.1f} us "
-                   f"(x{row['kernel_s'] / row['dequant_first_s']:.2f})" if "dequant_first_s" in row else ""))
+                + (f", caches dequantised first (in-kernel dequantisation {row['in_kernel_dequant_s'] * 1e6:.1f} us, "
+                   f"x{row['in_kernel_dequant_s'] / row['kernel_s']:.2f})" if "in_kernel_dequant_s" in row else ""))
         del p
         torch.cuda.empty_cache()
     for shape, S in (("flash", 16384), ("pro", 16384)):

@@ -124,7 +124,8 @@ def run_kernel(p: dict, fmt: str = "fp8", num_splits=None, generator=None):
 
 
 def prepared_fp8(p: dict, generator=None):
-    """(launch(), inputs kept alive) for timing the FP8 kernel alone: caches written and slots translated once."""
+    """(launch(), inputs kept alive) for timing the FP8 attention alone: caches written and slots translated
+    once; launch(num_splits, dequant) defaults to what sparse_attn_fp8 picks."""
     from . import sparse_attn as SA
     S = p["n_window"]
     win, comp = p["kv"][:S], p["kv"][S:]
@@ -137,8 +138,8 @@ def prepared_fp8(p: dict, generator=None):
         slot = torch.where(v >= S, n_a + sb[(v - S).clamp(0, comp.size(0) - 1)], slot)
     slot = torch.where(v < 0, -1, slot).to(torch.int32).contiguous()
     q, sink = p["q"].contiguous(), p["sink"].float().contiguous()
-    return ((lambda ns=None, dequant="kernel": SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb, ns,
-                                                                   dequant=dequant)),
+    return ((lambda ns=None, dequant="auto": SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb, ns,
+                                                                 dequant=dequant)),
             (ca, cb, slot))
 
 
@@ -286,8 +287,8 @@ def bench_case(p: dict, peaks: dict, reps: int = 20) -> dict[str, Any]:
     rows = (ca.numel() + (cb.numel() if cb is not None else 0)) // 584
     row.update(kernel_s=t, timing=how, splits_auto=_auto_splits(p),
                dequant_first=SA.dequant_first(slot.size(0), slot.size(1), rows))
-    if row["dequant_first"]:                        # dequantising the caches once instead, side by side
-        row["dequant_first_s"], _ = time_fn(lambda: launch(dequant="first"), reps)
+    if row["dequant_first"]:                        # the in-kernel dequantisation it replaced, side by side
+        row["in_kernel_dequant_s"], _ = time_fn(lambda: launch(dequant="kernel"), reps)
     if p["mode"] == "decode":                       # data for tuning choose_splits: a few forced split counts
         sweep = {}
         for ns in (1, 2, 4, 8, 16):

@@ -11,8 +11,8 @@ KV sources (static `kv` of the configuration):
   "fp8"   the paged FP8 cache of kernels/kv_cache.py, 584 bytes a token (448 e4m3 + 64 bf16 rope + 7 ue8m0
           scale bytes + pad); the kernel dequantises in shared memory (exact: e4m3 * 2^k fits bf16).
   "bf16"  plain bf16 rows [N, 512].
-  A prefill reads each cache row for many tokens: sparse_attn_fp8(dequant="first" | "auto") dequantises both
-  caches once (kv_read) and runs the "bf16" kernel on the same slots (bit-identical output; `dequant_first`).
+  A prefill reads each cache row for many tokens, so sparse_attn_fp8 (dequant="auto") dequantises both caches
+  once there (kv_read) and runs the "bf16" kernel on the same slots (bit-identical output; `dequant_first`).
   An index v < n_a reads row/slot v of source A, n_a <= v < n_a + n_b reads slot v - n_a of source B
   (window KV and compressed entries live in two caches); v < 0 or past the end is skipped (-1 = skip).
 
@@ -603,10 +603,10 @@ register(KernelDef(
     "sparse_attn", "attention", SM90, _build,
     configs=({"kv": "fp8", "bn": 32, "lookahead": 2, "split": False},
              {"kv": "fp8", "bn": 32, "lookahead": 2, "split": True},
-             {"kv": "bf16", "bn": 32, "lookahead": 2, "split": False},
-             {"kv": "bf16", "bn": 32, "lookahead": 2, "split": True}),
+             {"kv": "bf16", "bn": 32, "lookahead": 1, "split": False},
+             {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True}),
     ci_configs=({"kv": "fp8", "bn": 32, "lookahead": 2, "split": False},
-                {"kv": "bf16", "bn": 32, "lookahead": 2, "split": True}),
+                {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True}),
     doc="MQA over gathered rows (FP8 paged cache dequantised in smem, or bf16), 512 dims, per-head sink; "
         "WGMMA, two consumer warpgroups of 256 output dims"))
 register(KernelDef("sparse_attn_combine", "attention", ("sm_90a", "sm_100a"), _build_combine,
@@ -673,7 +673,13 @@ def _prepare(q, idx, sink):
     return (q.contiguous(), idx.to(torch.int32).contiguous(), sink.float().contiguous(), S, H, Hp)
 
 
-def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn, lookahead=2):
+# Blocks gathered ahead of the one being dequantised (fp8) or consumed (bf16). bf16 rows land in the tile
+# itself, and one block ahead was 0-3% faster than two or three in all six prefill cases (H100, 2026-12-07,
+# benchmarks/probe_attn_dequant_first.py).
+LOOKAHEAD = {"fp8": 2, "bf16": 1}
+
+
+def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn, lookahead=None):
     import torch
 
     from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr, sm_count
@@ -691,6 +697,7 @@ def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn,
     al = 8 if kv_fmt == "fp8" else 16
     pa, pb = ptr(src_a, word, al), ptr(src_b if src_b is not None else src_a, word, al)
     sl2 = Float32(scale * LOG2E)
+    lookahead = LOOKAHEAD[kv_fmt] if lookahead is None else lookahead
     if Z == 1:
         fn = compile_kernel("sparse_attn", arch, kv=kv_fmt, bn=bn, lookahead=lookahead, split=False)
         fn(ptr(q), ptr(idx, Int32, 4), ptr(sink, Float32, 4), pa, pb, ptr(out), ptr(sink, Float32, 4),
@@ -718,10 +725,10 @@ def sparse_attn_bf16(q, kv, idx, sink, scale: float, num_splits: int | None = No
 
 # A prefill reads each cache row for up to ~K tokens (window and causal entries overlap between neighbours), so
 # dequantising it in every (token, key) gather is the bulk of the FP8 kernel's time (2026-12-04: the producer's
-# dequantisation alone 4889 of 7361 clocks a block). dequant="auto" dequantises the caches once (kv_read, exact)
-# from DEQUANT_FIRST_REUSE index entries a cache row on, and the bf16 kernel gathers those rows: the same values
-# in the same order, so the output is bit-identical. Decodes over a long pool read most rows once. Not yet timed
-# on a GPU (2026-12-07: no machine for the run), so the default stays "kernel" until bench_attention measures it.
+# dequantisation alone 4889 of 7361 clocks a block). dequant="auto" (the default) dequantises the caches once
+# (kv_read, exact) from DEQUANT_FIRST_REUSE index entries a cache row on, and the bf16 kernel gathers those rows:
+# the same values in the same order, so the output is bit-identical. H100, 2026-12-07, 4096-token prefills: 1.16-
+# 1.41x faster, dequantisation included (Pro CSA 8.09 -> 5.74 ms). Decodes over a long pool read most rows once.
 DEQUANT_FIRST_REUSE = 8
 DEQUANT_FIRST_MAX_BYTES = 1 << 30                  # bf16 copy of the caches at most (1 Mi rows)
 
@@ -732,7 +739,7 @@ def dequant_first(S: int, K: int, cache_rows: int) -> bool:
 
 
 def sparse_attn_fp8(q, idx, sink, cache_a, scale: float, cache_b=None, num_splits: int | None = None,
-                    bn: int = 32, dequant: str = "kernel"):
+                    bn: int = 32, dequant: str = "auto"):
     """q [S, H, 512] bf16; cache_a / cache_b: FP8 caches [.., 584] uint8 (kernels/kv_cache.py layout, e.g.
     [num_blocks, block_size, 584]); idx [S, K] flat slots: v < slots(cache_a) reads cache_a slot v, larger v
     read cache_b slot v - slots(cache_a); -1 skips. -> o [S, H, 512] bf16.

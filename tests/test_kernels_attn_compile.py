@@ -203,7 +203,8 @@ def test_choose_splits():
 
 def test_dequantise_first_for_prefills_not_for_decodes_over_a_pool(monkeypatch):
     """dequant="auto": prefills (each cache row read by many tokens) dequantise the caches once, decodes over a
-    long pool read rows once and dequantise in the kernel; chosen before any launch; forced by "first"/"kernel"."""
+    long pool read rows once and dequantise in the kernel; chosen before any launch; forced by "first"/"kernel";
+    "auto" is the default."""
     assert sparse_attn.dequant_first(4096, 128 + 1024, 4096 + 1024 + 128)          # Pro CSA prefill
     assert sparse_attn.dequant_first(4096, 128, 4096 + 64)                          # SWA prefill
     assert not sparse_attn.dequant_first(64, 1152, 64 * (128 + 16384))              # Pro CSA decode, 64 x 64K
@@ -226,8 +227,8 @@ def test_dequantise_first_for_prefills_not_for_decodes_over_a_pool(monkeypatch):
     q = torch.zeros(300, 4, 512, dtype=torch.bfloat16)
     idx = torch.zeros(300, 200, dtype=torch.int32)
     first, inkernel = ("bf16", torch.bfloat16, (448, 512), 448, 0), ("fp8", torch.uint8, (5, 64, 584), 320, 128)
-    for mode, want in (("auto", first), ("first", first), ("kernel", inkernel), (None, inkernel)):
-        kw = {} if mode is None else {"dequant": mode}                 # the default: in-kernel (not yet timed)
+    for mode, want in (("auto", first), ("first", first), ("kernel", inkernel), (None, first)):
+        kw = {} if mode is None else {"dequant": mode}                 # the default: "auto" (timed 2026-12-07)
         sparse_attn.sparse_attn_fp8(q, idx, torch.zeros(4), ca, 0.1, cb, **kw)
         assert calls.pop() == want, mode
     sparse_attn.sparse_attn_fp8(q[:1], idx[:1], torch.zeros(4), ca, 0.1, cb, dequant="auto")   # one token
