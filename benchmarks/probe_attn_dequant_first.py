@@ -53,6 +53,11 @@ def probe_case(shape: str, layer: str, S: int, peaks: dict) -> dict:
         tb, _ = CA.time_fn(fn)
         row[f"bf16_la{la}_s"] = tb
         row[f"bf16_la{la}_bitequal"] = bool(torch.equal(ob, o8))
+    for la in (1, 2):                                   # pipelined consumers (one more tile stage)
+        fn = (lambda la=la: SA._launch("bf16", q, slot, sink, ra, rb, n_a, n_b, 512 ** -0.5, 1, 32, la, True))
+        ob = fn()
+        row[f"bf16_pipe_la{la}_s"], _ = CA.time_fn(fn)
+        row[f"bf16_pipe_la{la}_bitequal"] = bool(torch.equal(ob, o8))
     best = min((1, 2, 3), key=lambda la: row[f"bf16_la{la}_s"])
     fl = CA.flops(p)
     row.update(best_la=best, dq_first_s=tdq + row[f"bf16_la{best}_s"])
@@ -61,6 +66,8 @@ def probe_case(shape: str, layer: str, S: int, peaks: dict) -> dict:
     print(f"{shape:5} {layer}: fp8 {t8*1e3:.3f} ms ({row['fp8_pct_cublas']:.1f}%)  dequant {tdq*1e6:.1f} us  "
           + "  ".join(f"bf16 la{la} {row[f'bf16_la{la}_s']*1e3:.3f} ms eq={row[f'bf16_la{la}_bitequal']}"
                       for la in (1, 2, 3))
+          + "  " + "  ".join(f"pipelined la{la} {row[f'bf16_pipe_la{la}_s']*1e3:.3f} ms "
+                             f"eq={row[f'bf16_pipe_la{la}_bitequal']}" for la in (1, 2))
           + f"  -> dq-first {row['dq_first_s']*1e3:.3f} ms ({row['dq_first_pct_cublas']:.1f}%)"
           + f"  api {ta*1e3:.3f} ms eq={row['first_api_bitequal']} sum={row['o_checksum']}", flush=True)
     return row

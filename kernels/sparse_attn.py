@@ -69,11 +69,12 @@ def _ordered(shape, order):
 
 class SparseAttn:
     """Configuration: kv ("fp8" | "bf16"), bn (keys per block), lookahead (raw FP8 blocks in flight),
-    split (write fp32 partials + lse instead of the final bf16 output)."""
+    split (write fp32 partials + lse instead of the final bf16 output), pipelined (consumers issue the S of
+    block j before the P.V of block j - 1; bf16 only)."""
     threads = 384
 
     def __init__(self, kv: str = "fp8", bn: int = 32, lookahead: int = 2, split: bool = False,
-                 nope: int = 448, rope: int = 64):
+                 pipelined: bool = False, nope: int = 448, rope: int = 64):
         if kv not in ("fp8", "bf16"):
             raise ValueError(f"sparse_attn: kv must be 'fp8' or 'bf16', not {kv!r}")
         if bn not in (16, 32, 64):
@@ -82,12 +83,17 @@ class SparseAttn:
             raise ValueError("sparse_attn is built for DeepSeek-V4's 448 nope + 64 rope dims")
         if lookahead < 1:
             raise ValueError("sparse_attn: lookahead must be >= 1")
-        self.kv, self.bn, self.split = kv, bn, split
+        if pipelined and kv != "bf16":
+            # 5877870 pipelined the FP8 consumers too and hung on the H100 (2026-12-07 13:14), cause not found
+            raise ValueError("sparse_attn: pipelined consumers are built for kv='bf16' only")
+        self.kv, self.bn, self.split, self.pipelined = kv, bn, split, pipelined
         self.nope, self.rope, self.d = nope, rope, nope + rope
         self.half = self.d // 2                               # 256 output dims per consumer warpgroup
         # fp8: raw ring of lookahead + 1 blocks in flight, two dequantised stages;
-        # bf16: rows land in the tile itself, so the tile ring is lookahead + 1 deep
-        self.kv_stages = 2 if kv == "fp8" else lookahead + 1
+        # bf16: rows land in the tile itself, so the tile ring is lookahead + 1 deep, and one more when pipelined:
+        # the producer commits block i after acquiring the stage of block i + lookahead, and a pipelined consumer
+        # still holds block i - 1 while it waits for block i
+        self.kv_stages = 2 if kv == "fp8" else lookahead + 1 + int(pipelined)
         self.raw_stages = lookahead + 1 if kv == "fp8" else 0
         self.lookahead = lookahead
         self.units = self.d // 8                              # 64 eight-dim units a row
@@ -383,76 +389,54 @@ class SparseAttn:
         row_sum = cute.make_rmem_tensor((2,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        n_ksteps_s = cute.size(tSrQ, mode=[2])
-        n_ksteps_o = cute.size(tOrP, mode=[2])
-
+        rP = cute.make_tensor(tOrP.iterator, tOrP.layout)
+        alpha = cute.make_rmem_tensor((2,), Float32)
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        for j in cutlass.range(nblk, unroll=1):
-            ks = read_state.index
-            pipe.consumer_wait(read_state)
-            # S partial over this warpgroup's 256 dims
-            warpgroup.fence()
-            mma = cute.make_mma_atom(tiled_mma_qk.op)
-            mma.set(warpgroup.Field.ACCUMULATE, False)
-            for k in cutlass.range_constexpr(n_ksteps_s):
-                cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, ks], acc_S)
-                mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            # exchange partial scores with the other consumer warpgroup (double-buffered by block parity)
-            par = j % 2
-            for i in cutlass.range_constexpr(s_vals):
-                sX[i, ctid, c, par] = acc_S[i]
-            cons_bar.arrive_and_wait()
-            for i in cutlass.range_constexpr(s_vals):
-                acc_S[i] = acc_S[i] + sX[i, ctid, 1 - c, par]
-            # mask, scale to the exp2 domain, block row max
-            bmax = cute.make_rmem_tensor((2,), Float32)
-            bmax.fill(-Float32.inf)
-            for i in cutlass.range_constexpr(s_vals):
-                _, col = tScS[i]
-                t = acc_S[i] * scale_log2
-                if sValid[col, ks] == 0:
-                    t = -Float32.inf
-                acc_S[i] = t
-                h = (i // 2) % 2
-                bmax[h] = cute.arch.fmax(bmax[h], t)
-            alpha = cute.make_rmem_tensor((2,), Float32)
-            m_use = cute.make_rmem_tensor((2,), Float32)
-            for h in cutlass.range_constexpr(2):
-                b = bmax[h]
-                b = cute.arch.fmax(b, cute.arch.shuffle_sync_bfly(b, offset=1))
-                b = cute.arch.fmax(b, cute.arch.shuffle_sync_bfly(b, offset=2))
-                m_new = cute.arch.fmax(row_max[h], b)
-                mu = m_new
-                if m_new == -Float32.inf:
-                    mu = Float32(0.0)
-                m_use[h] = mu
-                alpha[h] = cute.math.exp2(row_max[h] - mu, fastmath=True)
-                row_max[h] = m_new
-            for i in cutlass.range_constexpr(s_vals):
-                h = (i // 2) % 2
-                acc_S[i] = cute.math.exp2(acc_S[i] - m_use[h], fastmath=True)
-            for h in cutlass.range_constexpr(2):
-                row_sum[h] = row_sum[h] * alpha[h]
-            for i in cutlass.range_constexpr(s_vals):
-                h = (i // 2) % 2
-                row_sum[h] = row_sum[h] + acc_S[i]
-            # rescale O (each thread's accumulator values alternate rows in pairs, like S)
-            for i in cutlass.range(cute.size(acc_O), unroll_full=True):
-                acc_O[i] = acc_O[i] * alpha[(i // 2) % 2]
-            # P -> bf16 in the A-operand register layout (same thread/value map as the accumulator)
-            rP = cute.make_tensor(tOrP.iterator, tOrP.layout)
-            self.store_p(acc_S, rP)
-            warpgroup.fence()
-            mma2 = cute.make_mma_atom(tiled_mma_pv.op)
-            mma2.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(n_ksteps_o):
-                cute.gemm(mma2, acc_O, tOrP[None, None, k], tOrV[None, None, k, ks], acc_O)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            pipe.consumer_release(read_state)
-            read_state.advance()
+        if cutlass.const_expr(not self.pipelined):
+            for j in cutlass.range(nblk, unroll=1):
+                ks = read_state.index
+                pipe.consumer_wait(read_state)
+                self.issue_s(tiled_mma_qk, acc_S, tSrQ, tSrK, ks)
+                warpgroup.wait_group(0)
+                self.block_softmax(acc_S, sX, sValid, tScS, cons_bar, ctid, c, j % 2, ks, scale_log2, row_max,
+                                   row_sum, alpha)
+                self.rescale(acc_O, alpha)
+                self.store_p(acc_S, rP)
+                self.issue_pv(tiled_mma_pv, acc_O, tOrP, tOrV, ks)
+                warpgroup.wait_group(0)
+                pipe.consumer_release(read_state)
+                read_state.advance()
+        else:
+            # one block of P.V in flight: S of block j is issued before P.V of block j - 1, so the tensor cores
+            # run that P.V while this warpgroup exchanges and softmaxes block j's scores; then the P.V is
+            # awaited, its stage released, O rescaled and block j's P stored for the next iteration. The same
+            # operations in the same order as above, so the output is the same bit for bit.
+            pv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+            if nblk > 0:
+                pipe.consumer_wait(read_state)
+                self.issue_s(tiled_mma_qk, acc_S, tSrQ, tSrK, read_state.index)
+                warpgroup.wait_group(0)
+                self.block_softmax(acc_S, sX, sValid, tScS, cons_bar, ctid, c, 0, read_state.index, scale_log2,
+                                   row_max, row_sum, alpha)
+                self.store_p(acc_S, rP)
+                read_state.advance()
+            for j in cutlass.range(1, nblk, unroll=1):
+                pipe.consumer_wait(read_state)
+                self.issue_s(tiled_mma_qk, acc_S, tSrQ, tSrK, read_state.index)
+                self.issue_pv(tiled_mma_pv, acc_O, tOrP, tOrV, pv_state.index)
+                warpgroup.wait_group(1)                                   # S of block j landed; P.V in flight
+                self.block_softmax(acc_S, sX, sValid, tScS, cons_bar, ctid, c, j % 2, read_state.index,
+                                   scale_log2, row_max, row_sum, alpha)
+                warpgroup.wait_group(0)
+                pipe.consumer_release(pv_state)
+                pv_state.advance()
+                self.rescale(acc_O, alpha)
+                self.store_p(acc_S, rP)
+                read_state.advance()
+            if nblk > 0:
+                self.issue_pv(tiled_mma_pv, acc_O, tOrP, tOrV, pv_state.index)
+                warpgroup.wait_group(0)
+                pipe.consumer_release(pv_state)
 
         # ---- epilogue
         for h in cutlass.range_constexpr(2):
@@ -502,6 +486,80 @@ class SparseAttn:
             for i in cutlass.range(cute.size(acc_O), unroll_full=True):
                 rO[i] = (acc_O[i] * factor[(i // 2) % 2]).to(BFloat16)
             cute.autovec_copy(rO, tOgO)
+
+    @cute.jit
+    def issue_s(self, tiled_mma_qk: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                ks: Int32):
+        """S partial over this warpgroup's 256 dims for the block in stage ks (one WGMMA group, not awaited)."""
+        warpgroup.fence()
+        mma = cute.make_mma_atom(tiled_mma_qk.op)
+        mma.set(warpgroup.Field.ACCUMULATE, False)
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, ks], acc_S)
+            mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def issue_pv(self, tiled_mma_pv: cute.TiledMma, acc_O: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
+                 ks: Int32):
+        """O_c += P V_c for the block in stage ks, P from registers (one WGMMA group, not awaited)."""
+        warpgroup.fence()
+        mma = cute.make_mma_atom(tiled_mma_pv.op)
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(mma, acc_O, tOrP[None, None, k], tOrV[None, None, k, ks], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def block_softmax(self, acc_S: cute.Tensor, sX: cute.Tensor, sValid: cute.Tensor, tScS: cute.Tensor,
+                      cons_bar, ctid: Int32, c: Int32, par: Int32, ks: Int32, scale_log2: Float32,
+                      row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor):
+        """Block scores -> unnormalised probabilities in acc_S (fp32), the running row max and sum updated, and
+        alpha = the factor the accumulator is rescaled by. The partial scores are exchanged with the other
+        consumer warpgroup (double-buffered by block parity) and added: both then hold the identical S."""
+        s_vals = cute.size(acc_S)
+        for i in cutlass.range_constexpr(s_vals):
+            sX[i, ctid, c, par] = acc_S[i]
+        cons_bar.arrive_and_wait()
+        for i in cutlass.range_constexpr(s_vals):
+            acc_S[i] = acc_S[i] + sX[i, ctid, 1 - c, par]
+        # mask, scale to the exp2 domain, block row max
+        bmax = cute.make_rmem_tensor((2,), Float32)
+        bmax.fill(-Float32.inf)
+        for i in cutlass.range_constexpr(s_vals):
+            _, col = tScS[i]
+            t = acc_S[i] * scale_log2
+            if sValid[col, ks] == 0:
+                t = -Float32.inf
+            acc_S[i] = t
+            h = (i // 2) % 2
+            bmax[h] = cute.arch.fmax(bmax[h], t)
+        m_use = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            b = bmax[h]
+            b = cute.arch.fmax(b, cute.arch.shuffle_sync_bfly(b, offset=1))
+            b = cute.arch.fmax(b, cute.arch.shuffle_sync_bfly(b, offset=2))
+            m_new = cute.arch.fmax(row_max[h], b)
+            mu = m_new
+            if m_new == -Float32.inf:
+                mu = Float32(0.0)
+            m_use[h] = mu
+            alpha[h] = cute.math.exp2(row_max[h] - mu, fastmath=True)
+            row_max[h] = m_new
+        for i in cutlass.range_constexpr(s_vals):
+            h = (i // 2) % 2
+            acc_S[i] = cute.math.exp2(acc_S[i] - m_use[h], fastmath=True)
+        for h in cutlass.range_constexpr(2):
+            row_sum[h] = row_sum[h] * alpha[h]
+        for i in cutlass.range_constexpr(s_vals):
+            h = (i // 2) % 2
+            row_sum[h] = row_sum[h] + acc_S[i]
+
+    @cute.jit
+    def rescale(self, acc_O: cute.Tensor, alpha: cute.Tensor):
+        """O *= alpha of its row (each thread's accumulator values alternate rows in pairs, like S)."""
+        for i in cutlass.range(cute.size(acc_O), unroll_full=True):
+            acc_O[i] = acc_O[i] * alpha[(i // 2) % 2]
 
     @cute.jit
     def store_p(self, acc_S: cute.Tensor, rP: cute.Tensor):
@@ -584,8 +642,8 @@ class SparseAttnCombine:
 # Registry (compile without a GPU)
 # --------------------------------------------------------------------------------------------------------
 
-def _build(kv: str = "fp8", bn: int = 32, lookahead: int = 2, split: bool = False):
-    kern = SparseAttn(kv=kv, bn=bn, lookahead=lookahead, split=split)
+def _build(kv: str = "fp8", bn: int = 32, lookahead: int = 2, split: bool = False, pipelined: bool = False):
+    kern = SparseAttn(kv=kv, bn=bn, lookahead=lookahead, split=split, pipelined=pipelined)
     kv_t = Int64 if kv == "fp8" else BFloat16
     align = 8 if kv == "fp8" else 16
     return kern, (fake_ptr(BFloat16), fake_ptr(Int32, 4), fake_ptr(Float32, 4), fake_ptr(kv_t, align),
@@ -604,9 +662,12 @@ register(KernelDef(
     configs=({"kv": "fp8", "bn": 32, "lookahead": 2, "split": False},
              {"kv": "fp8", "bn": 32, "lookahead": 2, "split": True},
              {"kv": "bf16", "bn": 32, "lookahead": 1, "split": False},
-             {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True}),
+             {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True},
+             {"kv": "bf16", "bn": 32, "lookahead": 1, "split": False, "pipelined": True},
+             {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True, "pipelined": True}),
     ci_configs=({"kv": "fp8", "bn": 32, "lookahead": 2, "split": False},
-                {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True}),
+                {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True},
+                {"kv": "bf16", "bn": 32, "lookahead": 1, "split": False, "pipelined": True}),
     doc="MQA over gathered rows (FP8 paged cache dequantised in smem, or bf16), 512 dims, per-head sink; "
         "WGMMA, two consumer warpgroups of 256 output dims"))
 register(KernelDef("sparse_attn_combine", "attention", ("sm_90a", "sm_100a"), _build_combine,
@@ -679,7 +740,8 @@ def _prepare(q, idx, sink):
 LOOKAHEAD = {"fp8": 2, "bf16": 1}
 
 
-def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn, lookahead=None):
+def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn, lookahead=None,
+            pipelined=False):
     import torch
 
     from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr, sm_count
@@ -699,14 +761,16 @@ def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn,
     sl2 = Float32(scale * LOG2E)
     lookahead = LOOKAHEAD[kv_fmt] if lookahead is None else lookahead
     if Z == 1:
-        fn = compile_kernel("sparse_attn", arch, kv=kv_fmt, bn=bn, lookahead=lookahead, split=False)
+        fn = compile_kernel("sparse_attn", arch, kv=kv_fmt, bn=bn, lookahead=lookahead, split=False,
+                            **({"pipelined": True} if pipelined else {}))
         fn(ptr(q), ptr(idx, Int32, 4), ptr(sink, Float32, 4), pa, pb, ptr(out), ptr(sink, Float32, 4),
            Int32(S), Int32(Hp), Int32(K), Int32(n_a), Int32(n_b), Int32(bps), Int32(1), sl2, current_stream())
     else:
         part = torch.empty(Z, S, Hp, 512, dtype=torch.float32, device=q.device)
         lse = torch.empty(Z, S, Hp, dtype=torch.float32, device=q.device)
         check_numel(part)
-        fn = compile_kernel("sparse_attn", arch, kv=kv_fmt, bn=bn, lookahead=lookahead, split=True)
+        fn = compile_kernel("sparse_attn", arch, kv=kv_fmt, bn=bn, lookahead=lookahead, split=True,
+                            **({"pipelined": True} if pipelined else {}))
         fn(ptr(q), ptr(idx, Int32, 4), ptr(sink, Float32, 4), pa, pb, ptr(part), ptr(lse, Float32, 4),
            Int32(S), Int32(Hp), Int32(K), Int32(n_a), Int32(n_b), Int32(bps), Int32(Z), sl2, current_stream())
         comb = compile_kernel("sparse_attn_combine", arch, d=512)

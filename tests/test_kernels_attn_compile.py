@@ -73,6 +73,22 @@ def test_ptx_sparse_attn_fp8(fp8_ptx):
     assert ".local" not in ptx                                       # no local-memory arrays
 
 
+def test_pipelined_consumers_keep_one_p_v_in_flight(ptx_of):
+    """bf16 with pipelined consumers: the same WGMMAs, a wait that leaves one group (the P.V) in flight, and one
+    more tile stage in shared memory than the plain kernel; the FP8 kernel refuses the option."""
+    plain = ptx_of(sparse_attn._build, kv="bf16", bn=32, lookahead=1, split=False)
+    piped = ptx_of(sparse_attn._build, kv="bf16", bn=32, lookahead=1, split=False, pipelined=True)
+    count = (lambda ptx, shape: sum(shape in ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln))
+    for shape in ("m64n32k16.f32.bf16.bf16", "m64n256k16.f32.bf16.bf16"):
+        assert count(piped, shape) > 0 and count(plain, shape) > 0
+    leave_one = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+1;")
+    assert leave_one.search(piped) and not leave_one.search(plain)
+    assert (sparse_attn.SparseAttn(kv="bf16", lookahead=1, pipelined=True).kv_stages
+            == sparse_attn.SparseAttn(kv="bf16", lookahead=1).kv_stages + 1)
+    with pytest.raises(ValueError, match="kv='bf16' only"):
+        sparse_attn.SparseAttn(kv="fp8", pipelined=True)
+
+
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
 def test_ptxas_registers_and_no_spills(fp8_ptx, tmp_path):
     # the DSL emits PTX ISA 9.4; the toolkit's ptxas may be older: CUDA 13.0 ptxas takes 9.0

@@ -251,6 +251,21 @@ def test_dequantise_first_is_bit_identical_to_in_kernel_dequant(shape, layer, S)
     assert torch.equal(auto, SA.sparse_attn_fp8(q, slot, sink, ca, 512 ** -0.5, cb))
 
 
+@pytest.mark.parametrize("shape,layer,S", [("flash", "csa", 700), ("pro", "hca", 300), ("flash", "swa", 40)])
+def test_pipelined_consumers_are_bit_identical(shape, layer, S):
+    """The bf16 kernel with software-pipelined consumers (S of block j before P.V of block j - 1) does the same
+    operations in the same order as the plain one: the same bits, whole and with KV splits (1 to 3 blocks a
+    split, so the pipeline's first and last block coincide too); also past a single key block (K <= 32)."""
+    from dsv4_kernels import check_attn as C
+    from dsv4_kernels import sparse_attn as SA
+    p = C.make_prefill(shape, layer, S, seed=9)
+    q, sink, kv, idx = p["q"].contiguous(), p["sink"].float().contiguous(), p["kv"].contiguous(), p["idx"]
+    for ns in (1, 3, 40):
+        for k in (idx.size(1), 32, 5):
+            args = ("bf16", q, idx[:, :k].contiguous(), sink, kv, None, kv.size(0), 0, 512 ** -0.5, ns, 32)
+            assert torch.equal(SA._launch(*args), SA._launch(*args, pipelined=True)), (ns, k)
+
+
 def test_dequantize_slots_matches_the_reference_unpack():
     """Every slot of a paged cache (3-d, and a flat 2-d view) dequantised in slot order, as the reference reads it."""
     from dsv4_kernels import kv_cache
