@@ -396,13 +396,13 @@ class SparseAttn:
             for j in cutlass.range(nblk, unroll=1):
                 ks = read_state.index
                 pipe.consumer_wait(read_state)
-                self.issue_s(tiled_mma_qk, acc_S, tSrQ, tSrK, ks)
+                self.issue_mma(tiled_mma_qk, acc_S, tSrQ, tSrK, ks, True)
                 warpgroup.wait_group(0)
                 self.block_softmax(acc_S, sX, sValid, tScS, cons_bar, ctid, c, j % 2, ks, scale_log2, row_max,
                                    row_sum, alpha)
                 self.rescale(acc_O, alpha)
                 self.store_p(acc_S, rP)
-                self.issue_pv(tiled_mma_pv, acc_O, tOrP, tOrV, ks)
+                self.issue_mma(tiled_mma_pv, acc_O, tOrP, tOrV, ks, False)
                 warpgroup.wait_group(0)
                 pipe.consumer_release(read_state)
                 read_state.advance()
@@ -414,7 +414,7 @@ class SparseAttn:
             pv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
             if nblk > 0:
                 pipe.consumer_wait(read_state)
-                self.issue_s(tiled_mma_qk, acc_S, tSrQ, tSrK, read_state.index)
+                self.issue_mma(tiled_mma_qk, acc_S, tSrQ, tSrK, read_state.index, True)
                 warpgroup.wait_group(0)
                 self.block_softmax(acc_S, sX, sValid, tScS, cons_bar, ctid, c, 0, read_state.index, scale_log2,
                                    row_max, row_sum, alpha)
@@ -422,8 +422,8 @@ class SparseAttn:
                 read_state.advance()
             for j in cutlass.range(1, nblk, unroll=1):
                 pipe.consumer_wait(read_state)
-                self.issue_s(tiled_mma_qk, acc_S, tSrQ, tSrK, read_state.index)
-                self.issue_pv(tiled_mma_pv, acc_O, tOrP, tOrV, pv_state.index)
+                self.issue_mma(tiled_mma_qk, acc_S, tSrQ, tSrK, read_state.index, True)
+                self.issue_mma(tiled_mma_pv, acc_O, tOrP, tOrV, pv_state.index, False)
                 warpgroup.wait_group(1)                                   # S of block j landed; P.V in flight
                 self.block_softmax(acc_S, sX, sValid, tScS, cons_bar, ctid, c, j % 2, read_state.index,
                                    scale_log2, row_max, row_sum, alpha)
@@ -434,7 +434,7 @@ class SparseAttn:
                 self.store_p(acc_S, rP)
                 read_state.advance()
             if nblk > 0:
-                self.issue_pv(tiled_mma_pv, acc_O, tOrP, tOrV, pv_state.index)
+                self.issue_mma(tiled_mma_pv, acc_O, tOrP, tOrV, pv_state.index, False)
                 warpgroup.wait_group(0)
                 pipe.consumer_release(pv_state)
 
@@ -488,26 +488,16 @@ class SparseAttn:
             cute.autovec_copy(rO, tOgO)
 
     @cute.jit
-    def issue_s(self, tiled_mma_qk: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
-                ks: Int32):
-        """S partial over this warpgroup's 256 dims for the block in stage ks (one WGMMA group, not awaited)."""
+    def issue_mma(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor,
+                  ks: Int32, fresh: cutlass.Constexpr):
+        """acc (+)= A B over the k steps for the block in stage ks, one WGMMA group, not awaited: S partial over
+        this warpgroup's 256 dims (fresh: the first step overwrites) or O_c += P V_c (P from registers)."""
         warpgroup.fence()
-        mma = cute.make_mma_atom(tiled_mma_qk.op)
-        mma.set(warpgroup.Field.ACCUMULATE, False)
-        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, ks], acc_S)
+        mma = cute.make_mma_atom(tiled_mma.op)
+        mma.set(warpgroup.Field.ACCUMULATE, not fresh)
+        for k in cutlass.range_constexpr(cute.size(frag_a, mode=[2])):
+            cute.gemm(mma, acc, frag_a[None, None, k], frag_b[None, None, k, ks], acc)
             mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def issue_pv(self, tiled_mma_pv: cute.TiledMma, acc_O: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
-                 ks: Int32):
-        """O_c += P V_c for the block in stage ks, P from registers (one WGMMA group, not awaited)."""
-        warpgroup.fence()
-        mma = cute.make_mma_atom(tiled_mma_pv.op)
-        mma.set(warpgroup.Field.ACCUMULATE, True)
-        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(mma, acc_O, tOrP[None, None, k], tOrV[None, None, k, ks], acc_O)
         warpgroup.commit_group()
 
     @cute.jit
