@@ -3,7 +3,7 @@
 For each prefill case (4096 tokens, Flash and Pro, SWA / HCA / CSA) times, in one run and under CUDA-graph
 replay: the FP8 kernel (gathers 584-byte rows and dequantises every (token, key) row in shared memory); one
 dequantisation of both caches into bf16 (kv_read over every block); the bf16 kernel over those rows with the
-same slot indices, for lookahead 1-3. Checks the bf16-after-dequant output is bit-identical to the FP8 kernel's.
+same slot indices, for lookahead 1-3 with plain consumers and 1-2 with pipelined ones. Checks the bf16-after-dequant output is bit-identical to the FP8 kernel's.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def probe_case(shape: str, layer: str, S: int, peaks: dict) -> dict:
            "first_api_s": ta, "first_api_bitequal": bool(torch.equal(oa, o8)),
            "auto_first": SA.dequant_first(S, slot.size(1), n_a + n_b), "o_checksum": checksum(o8)}
     for la in (1, 2, 3):
-        fn = (lambda la=la: SA._launch("bf16", q, slot, sink, ra, rb, n_a, n_b, 512 ** -0.5, 1, 32, la))
+        fn = (lambda la=la: SA._launch("bf16", q, slot, sink, ra, rb, n_a, n_b, 512 ** -0.5, 1, 32, la, False))
         ob = fn()
         tb, _ = CA.time_fn(fn)
         row[f"bf16_la{la}_s"] = tb

@@ -32,7 +32,8 @@ One CTA = (64 heads of one token, one KV split). 384 threads:
         masked columns -> -inf; online softmax in fp32 in the exp2 domain (row max and rescale);
         P = exp2(S * scale * log2 e - m) rounded to bf16 and used as the register-sourced A operand of
         O_c += P V[:, 256c:256c+256]  (WGMMA m64n256k16 RS; V is the same smem tile as K, read through a
-        transposed (MN-major) view).
+        transposed (MN-major) view). bf16 (pipelined): S of block j is issued before P.V of block j - 1, so
+        the exchange and softmax of block j run while the tensor cores do that P.V.
   Epilogue: l summed over the quad; without splits the sink enters the denominator here:
       m' = max(m, sink*log2 e); o = acc * 2^(m - m') / (l 2^(m - m') + 2^(sink log2 e - m')), bf16 out.
   With splits (decode with few tokens / long index lists), each split writes its normalised partial
@@ -656,7 +657,7 @@ register(KernelDef(
              {"kv": "bf16", "bn": 32, "lookahead": 1, "split": False, "pipelined": True},
              {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True, "pipelined": True}),
     ci_configs=({"kv": "fp8", "bn": 32, "lookahead": 2, "split": False},
-                {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True},
+                {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True, "pipelined": True},
                 {"kv": "bf16", "bn": 32, "lookahead": 1, "split": False, "pipelined": True}),
     doc="MQA over gathered rows (FP8 paged cache dequantised in smem, or bf16), 512 dims, per-head sink; "
         "WGMMA, two consumer warpgroups of 256 output dims"))
@@ -728,10 +729,13 @@ def _prepare(q, idx, sink):
 # itself, and one block ahead was 0-3% faster than two or three in all six prefill cases (H100, 2026-12-07,
 # benchmarks/probe_attn_dequant_first.py).
 LOOKAHEAD = {"fp8": 2, "bf16": 1}
+# Pipelined consumers (bf16 only): the same bits, 1.02-1.08x faster in all six prefill cases (H100, 2026-12-07
+# 17:16, benchmarks/probe_attn_dequant_first.py: Pro CSA 5.69 -> 5.29 ms).
+PIPELINED = {"fp8": False, "bf16": True}
 
 
 def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn, lookahead=None,
-            pipelined=False):
+            pipelined=None):
     import torch
 
     from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr, sm_count
@@ -750,6 +754,7 @@ def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn,
     pa, pb = ptr(src_a, word, al), ptr(src_b if src_b is not None else src_a, word, al)
     sl2 = Float32(scale * LOG2E)
     lookahead = LOOKAHEAD[kv_fmt] if lookahead is None else lookahead
+    pipelined = PIPELINED[kv_fmt] if pipelined is None else pipelined
     if Z == 1:
         fn = compile_kernel("sparse_attn", arch, kv=kv_fmt, bn=bn, lookahead=lookahead, split=False,
                             **({"pipelined": True} if pipelined else {}))

@@ -263,7 +263,7 @@ def test_pipelined_consumers_are_bit_identical(shape, layer, S):
     for ns in (1, 3, 40):
         for k in (idx.size(1), 32, 5):
             args = ("bf16", q, idx[:, :k].contiguous(), sink, kv, None, kv.size(0), 0, 512 ** -0.5, ns, 32)
-            assert torch.equal(SA._launch(*args), SA._launch(*args, pipelined=True)), (ns, k)
+            assert torch.equal(SA._launch(*args, pipelined=False), SA._launch(*args, pipelined=True)), (ns, k)
 
 
 def test_dequantize_slots_matches_the_reference_unpack():
