@@ -78,9 +78,8 @@ def phase_smoke() -> dict:
                 {"kv": "bf16", "split": True}):
         t = time.perf_counter()
         name = f"{cfg['kv']}{'_split' if cfg['split'] else ''}"
-        default = {"lookahead": SA.LOOKAHEAD[cfg["kv"]], **({"pipelined": True} if SA.PIPELINED[cfg["kv"]] else {})}
-        _try(r["compile"], name, lambda cfg=cfg, default=default: bool(compile_kernel("sparse_attn", "sm_90a", bn=32,
-                                                                                      **default, **cfg)))
+        _try(r["compile"], name, lambda cfg=cfg: bool(compile_kernel("sparse_attn", "sm_90a", split=cfg["split"],
+                                                                     **SA.launch_config(cfg["kv"]))))
         log(f"  compile sparse_attn {name}: {time.perf_counter() - t:.2f} s")
     _try(r["compile"], "combine", lambda: bool(compile_kernel("sparse_attn_combine", "sm_90a", d=512)))
     _try(r, "probe", lambda: C.single_key_probe("flash", S=64))

@@ -3,7 +3,8 @@
 For each prefill case (4096 tokens, Flash and Pro, SWA / HCA / CSA) times, in one run and under CUDA-graph
 replay: the FP8 kernel (gathers 584-byte rows and dequantises every (token, key) row in shared memory); one
 dequantisation of both caches into bf16 (kv_read over every block); the bf16 kernel over those rows with the
-same slot indices, for lookahead 1-3 with plain consumers and 1-2 with pipelined ones. Checks the bf16-after-dequant output is bit-identical to the FP8 kernel's.
+same slot indices, for lookahead 1-3 with plain consumers and 1-2 with pipelined ones. Checks the
+bf16-after-dequant output is bit-identical to the FP8 kernel's.
 """
 from __future__ import annotations
 

@@ -729,9 +729,17 @@ def _prepare(q, idx, sink):
 # itself, and one block ahead was 0-3% faster than two or three in all six prefill cases (H100, 2026-12-07,
 # benchmarks/probe_attn_dequant_first.py).
 LOOKAHEAD = {"fp8": 2, "bf16": 1}
-# Pipelined consumers (bf16 only): the same bits, 1.02-1.08x faster in all six prefill cases (H100, 2026-12-07
+# Pipelined consumers (bf16 only): the same bits, 1.02-1.07x faster in all six prefill cases (H100, 2026-12-07
 # 17:16, benchmarks/probe_attn_dequant_first.py: Pro CSA 5.69 -> 5.29 ms).
 PIPELINED = {"fp8": False, "bf16": True}
+
+
+def launch_config(kv_fmt: str, bn: int = 32, lookahead: int | None = None, pipelined: bool | None = None) -> dict:
+    """The sparse_attn configuration (less `split`) a launch over kv_fmt compiles: the defaults above unless
+    given; `pipelined` is named only when on, as the registered configurations name it."""
+    la = LOOKAHEAD[kv_fmt] if lookahead is None else lookahead
+    piped = PIPELINED[kv_fmt] if pipelined is None else pipelined
+    return {"kv": kv_fmt, "bn": bn, "lookahead": la, **({"pipelined": True} if piped else {})}
 
 
 def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn, lookahead=None,
@@ -753,19 +761,16 @@ def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn,
     al = 8 if kv_fmt == "fp8" else 16
     pa, pb = ptr(src_a, word, al), ptr(src_b if src_b is not None else src_a, word, al)
     sl2 = Float32(scale * LOG2E)
-    lookahead = LOOKAHEAD[kv_fmt] if lookahead is None else lookahead
-    pipelined = PIPELINED[kv_fmt] if pipelined is None else pipelined
+    cfg = launch_config(kv_fmt, bn, lookahead, pipelined)
     if Z == 1:
-        fn = compile_kernel("sparse_attn", arch, kv=kv_fmt, bn=bn, lookahead=lookahead, split=False,
-                            **({"pipelined": True} if pipelined else {}))
+        fn = compile_kernel("sparse_attn", arch, split=False, **cfg)
         fn(ptr(q), ptr(idx, Int32, 4), ptr(sink, Float32, 4), pa, pb, ptr(out), ptr(sink, Float32, 4),
            Int32(S), Int32(Hp), Int32(K), Int32(n_a), Int32(n_b), Int32(bps), Int32(1), sl2, current_stream())
     else:
         part = torch.empty(Z, S, Hp, 512, dtype=torch.float32, device=q.device)
         lse = torch.empty(Z, S, Hp, dtype=torch.float32, device=q.device)
         check_numel(part)
-        fn = compile_kernel("sparse_attn", arch, kv=kv_fmt, bn=bn, lookahead=lookahead, split=True,
-                            **({"pipelined": True} if pipelined else {}))
+        fn = compile_kernel("sparse_attn", arch, split=True, **cfg)
         fn(ptr(q), ptr(idx, Int32, 4), ptr(sink, Float32, 4), pa, pb, ptr(part), ptr(lse, Float32, 4),
            Int32(S), Int32(Hp), Int32(K), Int32(n_a), Int32(n_b), Int32(bps), Int32(Z), sl2, current_stream())
         comb = compile_kernel("sparse_attn_combine", arch, d=512)

@@ -73,6 +73,15 @@ def test_ptx_sparse_attn_fp8(fp8_ptx):
     assert ".local" not in ptx                                       # no local-memory arrays
 
 
+def test_launch_defaults_are_registered_configurations():
+    """What the launchers compile by default (lookahead and pipelining per KV format, split or not) is among the
+    registered configurations, so `dsv4debug kernels compile` checks the kernels that actually run."""
+    registered = {config_key(c) for c in REGISTRY["sparse_attn"].configs}
+    for kv in ("fp8", "bf16"):
+        for split in (False, True):
+            assert config_key({**sparse_attn.launch_config(kv), "split": split}) in registered, (kv, split)
+
+
 def test_pipelined_consumers_keep_one_p_v_in_flight(ptx_of):
     """bf16 with pipelined consumers: the same WGMMAs, a wait that leaves one group (the P.V) in flight, and one
     more tile stage in shared memory than the plain kernel; the FP8 kernel refuses the option."""
