@@ -71,11 +71,13 @@ def _ordered(shape, order):
 class SparseAttn:
     """Configuration: kv ("fp8" | "bf16"), bn (keys per block), lookahead (raw FP8 blocks in flight),
     split (write fp32 partials + lse instead of the final bf16 output), pipelined (consumers issue the S of
-    block j before the P.V of block j - 1; bf16 only)."""
+    block j before the P.V of block j - 1; bf16 only), scores ("dims": each consumer scores all bn keys over its
+    256 dims and the partial tiles are added; "keys": each scores half the block's keys over all 512 dims, and
+    the consumers exchange only row maxima and bf16 P)."""
     threads = 384
 
     def __init__(self, kv: str = "fp8", bn: int = 32, lookahead: int = 2, split: bool = False,
-                 pipelined: bool = False, nope: int = 448, rope: int = 64):
+                 pipelined: bool = False, scores: str = "dims", nope: int = 448, rope: int = 64):
         if kv not in ("fp8", "bf16"):
             raise ValueError(f"sparse_attn: kv must be 'fp8' or 'bf16', not {kv!r}")
         if bn not in (16, 32, 64):
@@ -87,7 +89,12 @@ class SparseAttn:
         if pipelined and kv != "bf16":
             # 5877870 pipelined the FP8 consumers too and hung on the H100 (2026-12-07 13:14), cause not found
             raise ValueError("sparse_attn: pipelined consumers are built for kv='bf16' only")
-        self.kv, self.bn, self.split, self.pipelined = kv, bn, split, pipelined
+        if scores not in ("dims", "keys"):
+            raise ValueError(f"sparse_attn: scores must be 'dims' or 'keys', not {scores!r}")
+        if scores == "keys" and (pipelined or bn < 32):
+            raise ValueError("sparse_attn: scores='keys' is built for plain consumers and bn >= 32")
+        self.kv, self.bn, self.split, self.pipelined, self.scores = kv, bn, split, pipelined, scores
+        self.bn_s = bn // 2 if scores == "keys" else bn       # keys a consumer scores per block
         self.nope, self.rope, self.d = nope, rope, nope + rope
         self.half = self.d // 2                               # 256 output dims per consumer warpgroup
         # fp8: raw ring of lookahead + 1 blocks in flight, two dequantised stages;
@@ -100,8 +107,16 @@ class SparseAttn:
         self.units = self.d // 8                              # 64 eight-dim units a row
         self.rows_per_pass = 128 // self.units                # 2 rows a pass for the producer warpgroup
         self.passes = bn // self.rows_per_pass
-        self.smem = (HEADS * self.d * 2 + self.kv_stages * bn * self.d * 2 + self.raw_stages * bn * ROW_BYTES
-                     + 2 * 2 * 128 * (HEADS * bn // 128) * 4 + self.kv_stages * bn * 4 + 1024)
+        smem = (HEADS * self.d * 2 + self.kv_stages * bn * self.d * 2 + self.raw_stages * bn * ROW_BYTES
+                + self.kv_stages * bn * 4 + 1024)
+        # dims: partial-score exchange, 2 warpgroups x the 64 x bn fp32 tile, double-buffered by block parity where
+        # it fits; bn = 64 (two 64 KB tiles and Q) leaves room for one buffer, and a barrier before each write
+        # then keeps a warpgroup from overwriting partials the other has not added yet.
+        # keys: 2 row maxima a thread and its bf16 P fragment, 2 warpgroups, one buffer each (the two barriers of
+        # a block order every write after the other warpgroup's read)
+        exchange = 2 * HEADS * bn * 4 if scores == "dims" else 2 * 128 * (2 * 4 + HEADS * self.bn_s // 128 * 2)
+        self.xchg_bufs = 2 if scores == "dims" and smem + 2 * exchange <= SMEM_BYTES else 1
+        self.smem = smem + self.xchg_bufs * exchange
         if self.smem > SMEM_BYTES:
             raise ValueError(f"sparse_attn: {self.smem} bytes of shared memory exceed {SMEM_BYTES} "
                              f"(bn={bn}, lookahead={lookahead})")
@@ -138,12 +153,13 @@ class SparseAttn:
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
-            (1, 1, 1), tiler_mn=(HEADS, self.bn))
+            (1, 1, 1), tiler_mn=(HEADS, self.bn_s))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             (1, 1, 1), tiler_mn=(HEADS, self.half), a_source=warpgroup.OperandSource.RMEM)
 
-        s_vals = HEADS * self.bn // 128                       # score values a consumer thread holds
+        s_vals = HEADS * self.bn_s // 128                     # score values a consumer thread holds
+        keys = self.scores == "keys"
         raw_n = max(self.raw_stages, 1)
         raw_words = self.raw_stages * self.bn * ROW_WORDS if self.kv == "fp8" else 2
 
@@ -154,7 +170,8 @@ class SparseAttn:
             valid: cute.struct.MemRange[Int32, self.kv_stages * self.bn]
             rowidx: cute.struct.MemRange[Int32, raw_n * self.bn]
             index: cute.struct.MemRange[Int32, 2 * self.bn]
-            xchg: cute.struct.MemRange[Float32, 2 * 2 * s_vals * 128]
+            xchg: cute.struct.MemRange[Float32, 2 * 128 * 2 if keys else 2 * self.xchg_bufs * s_vals * 128]
+            pxchg: cute.struct.MemRange[Int32, 2 * 128 * (s_vals // 2) if keys else 1]
             raw: cute.struct.Align[cute.struct.MemRange[Int64, raw_words], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sKV_layout)], 1024]
@@ -361,19 +378,30 @@ class SparseAttn:
                  sKV: cute.Tensor, sValid: cute.Tensor, pipe, tiled_mma_qk: cute.TiledMma,
                  tiled_mma_pv: cute.TiledMma, ctid: Int32, c: Int32, hg: Int32, tok: Int32, split: Int32,
                  K: Int32, blk0: Int32, nblk: Int32, scale_log2: Float32):
-        bn, half = self.bn, self.half
+        bn, half, bn_s = self.bn, self.half, self.bn_s
+        keys = self.scores == "keys"
         cons_bar = pipeline.NamedBarrier(barrier_id=2, num_threads=256)
-        s_vals = HEADS * bn // 128
-        sX = st.xchg.get_tensor(cute.make_layout((s_vals, 128, 2, 2), stride=(128, 1, s_vals * 128,
-                                                                              2 * s_vals * 128)))
+        s_vals = HEADS * bn_s // 128
+        sPw = None
+        if cutlass.const_expr(keys):
+            sX = st.xchg.get_tensor(cute.make_layout((2, 128, 2), stride=(128, 1, 256)))   # row maxima, sums
+            sPw = st.pxchg.get_tensor(cute.make_layout((s_vals // 2, 128, 2), stride=(128, 1, s_vals // 2 * 128)))
+        else:
+            sX = st.xchg.get_tensor(cute.make_layout((s_vals, 128, 2, self.xchg_bufs),
+                                                     stride=(128, 1, s_vals * 128, 2 * s_vals * 128)))
 
-        # ---- S_c = Q_c K_c^T partitions (dims [256c, 256c + 256))
+        # ---- S_c partitions: dims, Q_c K_c^T over dims [256c, 256c + 256) of all bn keys; keys, Q K_c^T over
+        # all 512 dims of keys [c bn/2, (c + 1) bn/2)
         thr_qk = tiled_mma_qk.get_slice(ctid)
-        sQc = cute.local_tile(sQ, (HEADS, half), (0, c))
-        sKc = cute.local_tile(sKV, (bn, half, self.kv_stages), (0, c, 0))
+        if cutlass.const_expr(keys):
+            sQc = sQ
+            sKc = cute.local_tile(sKV, (bn_s, self.d, self.kv_stages), (c, 0, 0))
+        else:
+            sQc = cute.local_tile(sQ, (HEADS, half), (0, c))
+            sKc = cute.local_tile(sKV, (bn, half, self.kv_stages), (0, c, 0))
         tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQc))
         tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sKc))
-        cS = cute.make_identity_tensor((HEADS, bn))
+        cS = cute.make_identity_tensor((HEADS, bn_s))
         tScS = thr_qk.partition_C(cS)
 
         # ---- O_c += P V_c partitions: V_c^T view [256 dims, bn keys, stages] of the same tile
@@ -381,10 +409,11 @@ class SparseAttn:
         sVt = cute.composition(sKV, _ordered((self.d, bn, self.kv_stages), (1, 0, 2)))
         sVtc = cute.local_tile(sVt, (half, bn, self.kv_stages), (c, 0, 0))
         tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sVtc))
-        tOrP = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((HEADS, bn)))
+        tOrP = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((HEADS, bn_s)))
+        tOrP_other = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((HEADS, bn_s))) if keys else None
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((HEADS, half)), Float32)
         acc_O.fill(0.0)
-        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((HEADS, bn)), Float32)
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((HEADS, bn_s)), Float32)
 
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
@@ -403,7 +432,14 @@ class SparseAttn:
                                    row_sum, alpha)
                 self.rescale(acc_O, alpha)
                 self.store_p(acc_S, rP)
-                self.issue_mma(tiled_mma_pv, acc_O, tOrP, tOrV, ks, False)
+                if cutlass.const_expr(keys):
+                    # O_c += P_own V_c[own keys] + P_other V_c[other keys]: k steps of 16 keys within the block
+                    self.exchange_p(rP, tOrP_other, sPw, cons_bar, ctid, c)
+                    ksteps = bn_s // 16
+                    self.issue_mma(tiled_mma_pv, acc_O, tOrP, tOrV, ks, False, c * ksteps)
+                    self.issue_mma(tiled_mma_pv, acc_O, tOrP_other, tOrV, ks, False, (1 - c) * ksteps)
+                else:
+                    self.issue_mma(tiled_mma_pv, acc_O, tOrP, tOrV, ks, False)
                 warpgroup.wait_group(0)
                 pipe.consumer_release(read_state)
                 read_state.advance()
@@ -445,6 +481,14 @@ class SparseAttn:
             lsum = lsum + cute.arch.shuffle_sync_bfly(lsum, offset=1)
             lsum = lsum + cute.arch.shuffle_sync_bfly(lsum, offset=2)
             row_sum[h] = lsum
+        if cutlass.const_expr(keys):
+            # each consumer summed its own keys' probabilities; the two sums add the same way in both (commutes).
+            # The last block's maxima were read before its P exchange barrier, so sX is free again
+            for h in cutlass.range_constexpr(2):
+                sX[h, ctid, c] = row_sum[h]
+            cons_bar.arrive_and_wait()
+            for h in cutlass.range_constexpr(2):
+                row_sum[h] = row_sum[h] + sX[h, ctid, 1 - c]
         cO = cute.make_identity_tensor((HEADS, half))
         tOcO = thr_pv.partition_C(cO)
         r_lo, _ = tOcO[0]
@@ -490,14 +534,14 @@ class SparseAttn:
 
     @cute.jit
     def issue_mma(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor,
-                  ks: Int32, fresh: cutlass.Constexpr):
-        """acc (+)= A B over the k steps for the block in stage ks, one WGMMA group, not awaited: S partial over
-        this warpgroup's 256 dims (fresh: the first step overwrites) or O_c += P V_c (P from registers)."""
+                  ks: Int32, fresh: cutlass.Constexpr, kb0: Int32 = 0):
+        """acc (+)= A B over A's k steps for the block in stage ks, one WGMMA group, not awaited: S (fresh: the
+        first step overwrites) or O_c += P V_c (P from registers); B's k steps start at kb0."""
         warpgroup.fence()
         mma = cute.make_mma_atom(tiled_mma.op)
         mma.set(warpgroup.Field.ACCUMULATE, not fresh)
         for k in cutlass.range_constexpr(cute.size(frag_a, mode=[2])):
-            cute.gemm(mma, acc, frag_a[None, None, k], frag_b[None, None, k, ks], acc)
+            cute.gemm(mma, acc, frag_a[None, None, k], frag_b[None, None, kb0 + k, ks], acc)
             mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
@@ -506,31 +550,49 @@ class SparseAttn:
                       cons_bar, ctid: Int32, c: Int32, par: Int32, ks: Int32, scale_log2: Float32,
                       row_max: cute.Tensor, row_sum: cute.Tensor, alpha: cute.Tensor):
         """Block scores -> unnormalised probabilities in acc_S (fp32), the running row max and sum updated, and
-        alpha = the factor the accumulator is rescaled by. The partial scores are exchanged with the other
-        consumer warpgroup (double-buffered by block parity) and added: both then hold the identical S."""
+        alpha = the factor the accumulator is rescaled by. dims: the partial scores are exchanged with the
+        other consumer warpgroup (double-buffered by block parity, or one buffer behind a barrier) and added,
+        so both hold the identical S; keys: each holds its own keys' scores, and the block row maxima are
+        exchanged, so both use the identical running max (fmax commutes)."""
         s_vals = cute.size(acc_S)
-        for i in cutlass.range_constexpr(s_vals):
-            sX[i, ctid, c, par] = acc_S[i]
-        cons_bar.arrive_and_wait()
-        for i in cutlass.range_constexpr(s_vals):
-            acc_S[i] = acc_S[i] + sX[i, ctid, 1 - c, par]
+        keys = self.scores == "keys"
+        col0 = 0
+        if cutlass.const_expr(keys):
+            col0 = c * self.bn_s
+        else:
+            if cutlass.const_expr(self.xchg_bufs == 1):
+                par = 0
+                cons_bar.arrive_and_wait()                   # both have added the previous block's partials
+            for i in cutlass.range_constexpr(s_vals):
+                sX[i, ctid, c, par] = acc_S[i]
+            cons_bar.arrive_and_wait()
+            for i in cutlass.range_constexpr(s_vals):
+                acc_S[i] = acc_S[i] + sX[i, ctid, 1 - c, par]
         # mask, scale to the exp2 domain, block row max
         bmax = cute.make_rmem_tensor((2,), Float32)
         bmax.fill(-Float32.inf)
         for i in cutlass.range_constexpr(s_vals):
             _, col = tScS[i]
             t = acc_S[i] * scale_log2
-            if sValid[col, ks] == 0:
+            if sValid[col0 + col, ks] == 0:
                 t = -Float32.inf
             acc_S[i] = t
             h = (i // 2) % 2
             bmax[h] = cute.arch.fmax(bmax[h], t)
-        m_use = cute.make_rmem_tensor((2,), Float32)
         for h in cutlass.range_constexpr(2):
             b = bmax[h]
             b = cute.arch.fmax(b, cute.arch.shuffle_sync_bfly(b, offset=1))
-            b = cute.arch.fmax(b, cute.arch.shuffle_sync_bfly(b, offset=2))
-            m_new = cute.arch.fmax(row_max[h], b)
+            bmax[h] = cute.arch.fmax(b, cute.arch.shuffle_sync_bfly(b, offset=2))
+        if cutlass.const_expr(keys):
+            # the other consumer read the previous block's maxima before the previous P exchange barrier
+            for h in cutlass.range_constexpr(2):
+                sX[h, ctid, c] = bmax[h]
+            cons_bar.arrive_and_wait()
+            for h in cutlass.range_constexpr(2):
+                bmax[h] = cute.arch.fmax(bmax[h], sX[h, ctid, 1 - c])
+        m_use = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            m_new = cute.arch.fmax(row_max[h], bmax[h])
             mu = m_new
             if m_new == -Float32.inf:
                 mu = Float32(0.0)
@@ -545,6 +607,20 @@ class SparseAttn:
         for i in cutlass.range_constexpr(s_vals):
             h = (i // 2) % 2
             row_sum[h] = row_sum[h] + acc_S[i]
+
+    @cute.jit
+    def exchange_p(self, rP: cute.Tensor, rP_other: cute.Tensor, sPw: cute.Tensor, cons_bar, ctid: Int32, c: Int32):
+        """keys: this consumer's bf16 P fragment out through shared memory, the other's in. Thread ctid holds the
+        same (row, column) positions of its half in both warpgroups, so the words land as the A fragment of the
+        other half's keys. The other consumer reads the previous block's words before this block's max barrier."""
+        mine = cute.recast_tensor(cute.make_tensor(rP.iterator, cute.make_layout(cute.size(rP))), Int32)
+        theirs = cute.recast_tensor(cute.make_tensor(rP_other.iterator, cute.make_layout(cute.size(rP_other))),
+                                    Int32)
+        for w in cutlass.range_constexpr(cute.size(mine)):
+            sPw[w, ctid, c] = mine[w]
+        cons_bar.arrive_and_wait()
+        for w in cutlass.range_constexpr(cute.size(theirs)):
+            theirs[w] = sPw[w, ctid, 1 - c]
 
     @cute.jit
     def rescale(self, acc_O: cute.Tensor, alpha: cute.Tensor):
@@ -633,8 +709,9 @@ class SparseAttnCombine:
 # Registry (compile without a GPU)
 # --------------------------------------------------------------------------------------------------------
 
-def _build(kv: str = "fp8", bn: int = 32, lookahead: int = 2, split: bool = False, pipelined: bool = False):
-    kern = SparseAttn(kv=kv, bn=bn, lookahead=lookahead, split=split, pipelined=pipelined)
+def _build(kv: str = "fp8", bn: int = 32, lookahead: int = 2, split: bool = False, pipelined: bool = False,
+           scores: str = "dims"):
+    kern = SparseAttn(kv=kv, bn=bn, lookahead=lookahead, split=split, pipelined=pipelined, scores=scores)
     kv_t = Int64 if kv == "fp8" else BFloat16
     align = 8 if kv == "fp8" else 16
     return kern, (fake_ptr(BFloat16), fake_ptr(Int32, 4), fake_ptr(Float32, 4), fake_ptr(kv_t, align),
@@ -655,7 +732,11 @@ register(KernelDef(
              {"kv": "bf16", "bn": 32, "lookahead": 1, "split": False},
              {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True},
              {"kv": "bf16", "bn": 32, "lookahead": 1, "split": False, "pipelined": True},
-             {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True, "pipelined": True}),
+             {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True, "pipelined": True},
+             {"kv": "bf16", "bn": 64, "lookahead": 1, "split": False},
+             {"kv": "bf16", "bn": 64, "lookahead": 1, "split": True},
+             {"kv": "bf16", "bn": 64, "lookahead": 1, "split": False, "scores": "keys"},
+             {"kv": "bf16", "bn": 64, "lookahead": 1, "split": True, "scores": "keys"}),
     ci_configs=({"kv": "fp8", "bn": 32, "lookahead": 2, "split": False},
                 {"kv": "bf16", "bn": 32, "lookahead": 1, "split": True, "pipelined": True},
                 {"kv": "bf16", "bn": 32, "lookahead": 1, "split": False, "pipelined": True}),
@@ -734,16 +815,19 @@ LOOKAHEAD = {"fp8": 2, "bf16": 1}
 PIPELINED = {"fp8": False, "bf16": True}
 
 
-def launch_config(kv_fmt: str, bn: int = 32, lookahead: int | None = None, pipelined: bool | None = None) -> dict:
+def launch_config(kv_fmt: str, bn: int = 32, lookahead: int | None = None, pipelined: bool | None = None,
+                  scores: str = "dims") -> dict:
     """The sparse_attn configuration (less `split`) a launch over kv_fmt compiles: the defaults above unless
-    given; `pipelined` is named only when on, as the registered configurations name it."""
+    given; `pipelined` and `scores` are named only when not the plain default, as the registered configurations
+    name them."""
     la = LOOKAHEAD[kv_fmt] if lookahead is None else lookahead
     piped = PIPELINED[kv_fmt] if pipelined is None else pipelined
-    return {"kv": kv_fmt, "bn": bn, "lookahead": la, **({"pipelined": True} if piped else {})}
+    return {"kv": kv_fmt, "bn": bn, "lookahead": la, **({"pipelined": True} if piped else {}),
+            **({"scores": scores} if scores != "dims" else {})}
 
 
 def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn, lookahead=None,
-            pipelined=None):
+            pipelined=None, scores="dims"):
     import torch
 
     from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr, sm_count
@@ -761,7 +845,7 @@ def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn,
     al = 8 if kv_fmt == "fp8" else 16
     pa, pb = ptr(src_a, word, al), ptr(src_b if src_b is not None else src_a, word, al)
     sl2 = Float32(scale * LOG2E)
-    cfg = launch_config(kv_fmt, bn, lookahead, pipelined)
+    cfg = launch_config(kv_fmt, bn, lookahead, pipelined, scores)
     if Z == 1:
         fn = compile_kernel("sparse_attn", arch, split=False, **cfg)
         fn(ptr(q), ptr(idx, Int32, 4), ptr(sink, Float32, 4), pa, pb, ptr(out), ptr(sink, Float32, 4),
@@ -881,7 +965,7 @@ def dequant_rows(raw):
     return torch.cat([nope, rope], -1)
 
 
-def emulate(q, rows_of, idx, sink, scale: float, bn: int = 32, num_splits: int = 1):
+def emulate(q, rows_of, idx, sink, scale: float, bn: int = 32, num_splits: int = 1, scores: str = "dims"):
     """Torch model of the kernel: q [S, H, 512] bf16, rows_of(v [S, n] int64) -> (bf16 rows [S, n, 512],
     valid [S, n] bool), idx [S, K], sink [H] -> o [S, H, 512] bf16.
 
@@ -889,7 +973,8 @@ def emulate(q, rows_of, idx, sink, scale: float, bn: int = 32, num_splits: int =
     keys, S = Q[:, :256] K[:, :256]^T + Q[:, 256:] K[:, 256:]^T (fp32), t = S * scale * log2 e (masked -inf),
     running max in the exp2 domain (0 substituted while a row has seen no key), P = 2^(t - m) rounded to
     bf16, O = O * alpha + P V (fp32), l = l * alpha + sum(P fp32); sink in the denominator at the end,
-    or per-split (o / l, m + log2 l) merged with the sink as sparse_attn_combine does."""
+    or per-split (o / l, m + log2 l) merged with the sink as sparse_attn_combine does. scores="keys": S in one
+    sum over the 512 dims, and l kept for each half of the block's keys (one per consumer), added at the end."""
     import torch
     S, H, d = q.shape
     K = idx.size(1)
@@ -904,23 +989,27 @@ def emulate(q, rows_of, idx, sink, scale: float, bn: int = 32, num_splits: int =
     parts, lses = [], []
     for z in range(nz):
         m = torch.full((S, H), float("-inf"), device=dev)
-        lsum = torch.zeros(S, H, device=dev)
+        lsum = torch.zeros(2 if scores == "keys" else 1, S, H, device=dev)        # a sum per scoring consumer
         acc = torch.zeros(S, H, d, device=dev)
         for b in range(z * bps, min(nblk, (z + 1) * bps)):
             cols = torch.arange(b * bn, (b + 1) * bn, device=dev)
             v = torch.where(cols[None, :] < K, idx[:, cols.clamp(max=K - 1)].long(), -1)
             rows, valid = rows_of(v)
             rows = torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype, device=dev)).float()
-            s = torch.einsum("shd,snd->shn", qf[..., :256], rows[..., :256]) + \
-                torch.einsum("shd,snd->shn", qf[..., 256:], rows[..., 256:])
+            if scores == "keys":
+                s = torch.einsum("shd,snd->shn", qf, rows)
+            else:
+                s = torch.einsum("shd,snd->shn", qf[..., :256], rows[..., :256]) + \
+                    torch.einsum("shd,snd->shn", qf[..., 256:], rows[..., 256:])
             t = (s * sl2).masked_fill(~valid[:, None, :], float("-inf"))
             m_new = torch.maximum(m, t.amax(-1))
             m_use = torch.where(m_new == float("-inf"), zero, m_new)
             alpha = torch.exp2(m - m_use)
             p = torch.exp2(t - m_use[..., None])
-            lsum = lsum * alpha + p.sum(-1)
+            lsum = lsum * alpha + p.unflatten(-1, (lsum.size(0), -1)).sum(-1).movedim(-1, 0)
             acc = acc * alpha[..., None] + torch.einsum("shn,snd->shd", p.bfloat16().float(), rows)
             m = m_new
+        lsum = lsum[0] + lsum[1] if scores == "keys" else lsum[0]
         if num_splits == 1:
             mf = torch.maximum(m, snk[None, :])
             mf = torch.where(mf == float("-inf"), zero, mf)

@@ -51,6 +51,22 @@ def test_wgmma_kernel_is_hopper_only_and_configs_are_checked():
         sparse_attn.SparseAttn(kv="fp4")
     with pytest.raises(ValueError, match="shared memory"):
         sparse_attn.SparseAttn(kv="fp8", bn=64, lookahead=4)
+    with pytest.raises(ValueError, match="plain consumers"):
+        sparse_attn.SparseAttn(kv="bf16", bn=64, scores="keys", pipelined=True)
+    assert sparse_attn.SparseAttn(kv="bf16", bn=64, lookahead=1).xchg_bufs == 1      # 64 KB tiles: one buffer
+    assert sparse_attn.SparseAttn(kv="bf16", bn=32, lookahead=1).xchg_bufs == 2
+
+
+def test_ptx_sparse_attn_block_of_64(ptx_of):
+    """bn = 64: dims scores are m64n64 WGMMAs over 256 dims, keys scores m64n32 over all 512 dims (half the
+    block's keys a consumer), and P.V covers all 64 keys (4 k steps, P from registers) either way; no local
+    memory (the keys scheme's P halves are indexed statically)."""
+    dims = ptx_of(sparse_attn._build, kv="bf16", bn=64, lookahead=1, split=False)
+    keys = ptx_of(sparse_attn._build, kv="bf16", bn=64, lookahead=1, split=False, scores="keys")
+    count = (lambda ptx, shape: sum(shape in ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln))
+    assert count(dims, "m64n64k16.f32.bf16.bf16") == 16 and count(dims, "m64n256k16.f32.bf16.bf16") == 4
+    assert count(keys, "m64n32k16.f32.bf16.bf16") == 32 and count(keys, "m64n256k16.f32.bf16.bf16") == 4
+    assert ".local" not in dims and ".local" not in keys
 
 
 @pytest.fixture(scope="module")
@@ -140,16 +156,32 @@ def _problem(S, H, K, N, gen, q_gain=1.0, sink_gain=1.0, pad=0.1):
     return q, kv, idx, sink
 
 
+@pytest.mark.parametrize("bn,scores", [(32, "dims"), (64, "dims"), (64, "keys")])
 @pytest.mark.parametrize("q_gain", [1.0, 4.0])
 @pytest.mark.parametrize("K", [128, 200, 640])
-def test_emulate_matches_reference(K, q_gain):
+def test_emulate_matches_reference(K, q_gain, bn, scores):
+    """The CPU model of every consumer scheme (block width, scores split by dims or by keys) is the reference."""
     g = torch.Generator().manual_seed(K)
     q, kv, idx, sink = _problem(6, 16, K, 900, g, q_gain=q_gain)
     scale = 512 ** -0.5
     want = ref.sparse_attn(q, kv, sink, idx, scale)
-    got = sparse_attn.emulate(q, sparse_attn.rows_from_bf16(kv), idx, sink, scale)
+    got = sparse_attn.emulate(q, sparse_attn.rows_from_bf16(kv), idx, sink, scale, bn=bn, scores=scores)
     assert _cos(got, want) >= 0.9999
     assert (got.float() - want.float()).abs().max() <= 2 ** -6 * want.float().abs().max()
+
+
+def test_emulate_keys_split_keeps_a_sum_per_consumer():
+    """scores="keys" sums each half of a block's probabilities on its own: a key in the second half alone
+    (the first half all skipped) must give the same output as scoring it whole, and splits still agree."""
+    g = torch.Generator().manual_seed(5)
+    q, kv, idx, sink = _problem(4, 8, 256, 500, g)
+    idx[:, :32] = -1                                                 # first half of the first block empty
+    scale = 512 ** -0.5
+    dims = sparse_attn.emulate(q, sparse_attn.rows_from_bf16(kv), idx, sink, scale, bn=64)
+    for z in (1, 3):
+        keys = sparse_attn.emulate(q, sparse_attn.rows_from_bf16(kv), idx, sink, scale, bn=64, num_splits=z,
+                                   scores="keys")
+        assert _cos(keys, dims) >= 0.99999
 
 
 def test_emulate_splits_agree_and_empty_rows_give_zero():

@@ -279,3 +279,48 @@ def test_dequantize_slots_matches_the_reference_unpack():
         kv_cache.dequantize_slots(c, out)
         assert torch.equal(out, want)
     assert torch.equal(want[slots], kv_cache.reference_unpack(kv_cache.reference_pack(rows)))
+
+
+@pytest.mark.parametrize("scores", ["dims", "keys"])
+@pytest.mark.parametrize("shape,layer,S", [("flash", "csa", 700), ("pro", "hca", 300), ("flash", "swa", 40)])
+def test_block_of_64_follows_its_model(shape, layer, S, scores):
+    """The bf16 kernel with 64-key blocks (scores split by dims: one exchange buffer behind a barrier; or by keys:
+    row maxima and P exchanged) against its CPU model at the same block width and scheme, and the reference;
+    whole and with KV splits, K of one block, of a block and a key, and of 5 keys (the second consumer's
+    half empty)."""
+    import dsv4_references as ref
+    from dsv4_kernels import check_attn as C
+    from dsv4_kernels import sparse_attn as SA
+    p = C.make_prefill(shape, layer, S, seed=10)
+    q, sink, kv, idx = p["q"].contiguous(), p["sink"].float().contiguous(), p["kv"].contiguous(), p["idx"]
+    scale = 512 ** -0.5
+    for ns in (1, 3):
+        for k in (idx.size(1), 64, 65, 5):
+            ik = idx[:, :k].contiguous()
+            got = SA._launch("bf16", q, ik, sink, kv, None, kv.size(0), 0, scale, ns, 64, 1, False, scores)
+            model = SA.emulate(q, SA.rows_from_bf16(kv), ik, sink, scale, bn=64, num_splits=ns, scores=scores)
+            assert C.cos(got, model) >= 0.99999, (ns, k)
+            assert float((got.float() - model.float()).abs().max()) <= 2 ** -7 * float(model.float().abs().max())
+            assert C.cos(got, ref.sparse_attn(q, kv, sink, ik, scale)) >= 0.999, (ns, k)
+
+
+@pytest.mark.parametrize("scores", ["dims", "keys"])
+def test_block_of_64_single_key_is_exact(scores):
+    """One valid key a token at any column of a 64-key block (either consumer's half under scores="keys"), the
+    rest skipped, sink negligible: the output is the key row bit for bit; a token with no key gives zeros."""
+    import dsv4_references as ref
+    from dsv4_kernels import sparse_attn as SA
+    g = torch.Generator(device="cuda").manual_seed(11)
+    S, H, N, K = 130, 64, 400, 150
+    kv = ref.kv_qat(torch.randn(N, 512, device="cuda", generator=g).bfloat16(), 64)
+    q = torch.randn(S, H, 512, device="cuda", generator=g).bfloat16()
+    idx = torch.full((S, K), -1, dtype=torch.long, device="cuda")
+    key = torch.randint(0, N, (S,), device="cuda", generator=g)
+    idx[torch.arange(S, device="cuda"), torch.arange(S, device="cuda") % K] = key
+    idx[7] = -1
+    sink = torch.full((H,), -1e4, device="cuda")
+    for ns in (1, 2):
+        got = SA._launch("bf16", q, idx, sink, kv, None, N, 0, 512 ** -0.5, ns, 64, 1, False, scores)
+        want = kv[key].unsqueeze(1).expand(S, H, 512).clone()
+        want[7] = 0
+        assert torch.equal(got, want), ns
