@@ -34,6 +34,11 @@ One CTA = (64 heads of one token, one KV split). 384 threads:
         O_c += P V[:, 256c:256c+256]  (WGMMA m64n256k16 RS; V is the same smem tile as K, read through a
         transposed (MN-major) view). bf16 (pipelined): S of block j is issued before P.V of block j - 1, so
         the exchange and softmax of block j run while the tensor cores do that P.V.
+      scores="keys" (bf16, 64-key blocks): consumer c scores keys [32c, 32c + 32) over all 512 dims instead
+        (WGMMA m64n32k16, Q whole); the two exchange their block row maxima (both then use the same running
+        max) and their bf16 P fragments, each sums its own keys' probabilities (added at the end), and
+        O_c += P_own V_c[own keys] + P_other V_c[other keys]. A quarter of the exchange's bytes, half the
+        softmax work a consumer; two barriers a block.
   Epilogue: l summed over the quad; without splits the sink enters the denominator here:
       m' = max(m, sink*log2 e); o = acc * 2^(m - m') / (l 2^(m - m') + 2^(sink log2 e - m')), bf16 out.
   With splits (decode with few tokens / long index lists), each split writes its normalised partial
@@ -433,10 +438,13 @@ class SparseAttn:
                 self.rescale(acc_O, alpha)
                 self.store_p(acc_S, rP)
                 if cutlass.const_expr(keys):
-                    # O_c += P_own V_c[own keys] + P_other V_c[other keys]: k steps of 16 keys within the block
-                    self.exchange_p(rP, tOrP_other, sPw, cons_bar, ctid, c)
+                    # O_c += P_own V_c[own keys] + P_other V_c[other keys] (k steps of 16 keys within the block);
+                    # the own half's P.V runs while the P fragments cross over
                     ksteps = bn_s // 16
+                    self.send_p(rP, sPw, ctid, c)
                     self.issue_mma(tiled_mma_pv, acc_O, tOrP, tOrV, ks, False, c * ksteps)
+                    cons_bar.arrive_and_wait()
+                    self.receive_p(tOrP_other, sPw, ctid, c)
                     self.issue_mma(tiled_mma_pv, acc_O, tOrP_other, tOrV, ks, False, (1 - c) * ksteps)
                 else:
                     self.issue_mma(tiled_mma_pv, acc_O, tOrP, tOrV, ks, False)
@@ -609,16 +617,19 @@ class SparseAttn:
             row_sum[h] = row_sum[h] + acc_S[i]
 
     @cute.jit
-    def exchange_p(self, rP: cute.Tensor, rP_other: cute.Tensor, sPw: cute.Tensor, cons_bar, ctid: Int32, c: Int32):
-        """keys: this consumer's bf16 P fragment out through shared memory, the other's in. Thread ctid holds the
-        same (row, column) positions of its half in both warpgroups, so the words land as the A fragment of the
-        other half's keys. The other consumer reads the previous block's words before this block's max barrier."""
+    def send_p(self, rP: cute.Tensor, sPw: cute.Tensor, ctid: Int32, c: Int32):
+        """keys: this consumer's bf16 P fragment out to shared memory (the other consumer read the previous
+        block's words before this block's max barrier)."""
         mine = cute.recast_tensor(cute.make_tensor(rP.iterator, cute.make_layout(cute.size(rP))), Int32)
-        theirs = cute.recast_tensor(cute.make_tensor(rP_other.iterator, cute.make_layout(cute.size(rP_other))),
-                                    Int32)
         for w in cutlass.range_constexpr(cute.size(mine)):
             sPw[w, ctid, c] = mine[w]
-        cons_bar.arrive_and_wait()
+
+    @cute.jit
+    def receive_p(self, rP_other: cute.Tensor, sPw: cute.Tensor, ctid: Int32, c: Int32):
+        """keys, after the barrier: the other consumer's P fragment in. Thread ctid holds the same (row, column)
+        positions of its half in both warpgroups, so the words land as the A fragment of the other half's keys."""
+        theirs = cute.recast_tensor(cute.make_tensor(rP_other.iterator, cute.make_layout(cute.size(rP_other))),
+                                    Int32)
         for w in cutlass.range_constexpr(cute.size(theirs)):
             theirs[w] = sPw[w, ctid, 1 - c]
 
