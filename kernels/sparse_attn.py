@@ -817,28 +817,29 @@ def _prepare(q, idx, sink):
     return (q.contiguous(), idx.to(torch.int32).contiguous(), sink.float().contiguous(), S, H, Hp)
 
 
-# Blocks gathered ahead of the one being dequantised (fp8) or consumed (bf16). bf16 rows land in the tile
-# itself, and one block ahead was 0-3% faster than two or three in all six prefill cases (H100, 2026-12-07,
-# benchmarks/probe_attn_dequant_first.py).
-LOOKAHEAD = {"fp8": 2, "bf16": 1}
-# Pipelined consumers (bf16 only): the same bits, 1.02-1.07x faster in all six prefill cases (H100, 2026-12-07
-# 17:16, benchmarks/probe_attn_dequant_first.py: Pro CSA 5.69 -> 5.29 ms).
-PIPELINED = {"fp8": False, "bf16": True}
+# The configuration a launch compiles by default, per KV format. lookahead: blocks gathered ahead of the one
+# being dequantised (fp8) or consumed (bf16); bf16 rows land in the tile itself, and one block ahead was 0-3%
+# faster than two or three in all six prefill cases (H100, 2026-12-07, benchmarks/probe_attn_dequant_first.py).
+# pipelined (bf16 only): the same bits, 1.02-1.07x faster in all six (H100, 2026-12-07 17:16: Pro CSA 5.69 ->
+# 5.29 ms).
+DEFAULTS = {"fp8": {"bn": 32, "lookahead": 2, "pipelined": False, "scores": "dims"},
+            "bf16": {"bn": 32, "lookahead": 1, "pipelined": True, "scores": "dims"}}
 
 
-def launch_config(kv_fmt: str, bn: int = 32, lookahead: int | None = None, pipelined: bool | None = None,
-                  scores: str = "dims") -> dict:
-    """The sparse_attn configuration (less `split`) a launch over kv_fmt compiles: the defaults above unless
-    given; `pipelined` and `scores` are named only when not the plain default, as the registered configurations
-    name them."""
-    la = LOOKAHEAD[kv_fmt] if lookahead is None else lookahead
-    piped = PIPELINED[kv_fmt] if pipelined is None else pipelined
-    return {"kv": kv_fmt, "bn": bn, "lookahead": la, **({"pipelined": True} if piped else {}),
-            **({"scores": scores} if scores != "dims" else {})}
+def launch_config(kv_fmt: str, bn: int | None = None, lookahead: int | None = None, pipelined: bool | None = None,
+                  scores: str | None = None) -> dict:
+    """The sparse_attn configuration (less `split`) a launch over kv_fmt compiles: DEFAULTS where not given;
+    `pipelined` and `scores` are named only when not the plain default, as the registered configurations name
+    them."""
+    given = {"bn": bn, "lookahead": lookahead, "pipelined": pipelined, "scores": scores}
+    cfg = {**DEFAULTS[kv_fmt], **{k: v for k, v in given.items() if v is not None}}
+    return {"kv": kv_fmt, "bn": cfg["bn"], "lookahead": cfg["lookahead"],
+            **({"pipelined": True} if cfg["pipelined"] else {}),
+            **({"scores": cfg["scores"]} if cfg["scores"] != "dims" else {})}
 
 
-def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn, lookahead=None,
-            pipelined=None, scores="dims"):
+def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn=None, lookahead=None,
+            pipelined=None, scores=None):
     import torch
 
     from ._common import check_numel, compile_kernel, current_stream, device_arch, ptr, sm_count
@@ -848,15 +849,16 @@ def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn,
     out = torch.empty(S, Hp, 512, dtype=torch.bfloat16, device=q.device)
     if S == 0:
         return out[:, :H]
-    nblk = max(-(-K // bn), 1)
-    Z = choose_splits(S, Hp, K, bn, sm_count(q.device)) if num_splits is None else max(1, min(int(num_splits), nblk))
-    bps, Z = split_blocks(nblk, Z)
+    cfg = launch_config(kv_fmt, bn, lookahead, pipelined, scores)
+    nblk = max(-(-K // cfg["bn"]), 1)
+    # the split cost model was fit on 32-key blocks: it picks the split count, the splits are of whole blocks
+    Z = choose_splits(S, Hp, K, 32, sm_count(q.device)) if num_splits is None else int(num_splits)
+    bps, Z = split_blocks(nblk, max(1, min(Z, nblk)))
     arch = device_arch(q.device)
     word = Int64 if kv_fmt == "fp8" else BFloat16
     al = 8 if kv_fmt == "fp8" else 16
     pa, pb = ptr(src_a, word, al), ptr(src_b if src_b is not None else src_a, word, al)
     sl2 = Float32(scale * LOG2E)
-    cfg = launch_config(kv_fmt, bn, lookahead, pipelined, scores)
     if Z == 1:
         fn = compile_kernel("sparse_attn", arch, split=False, **cfg)
         fn(ptr(q), ptr(idx, Int32, 4), ptr(sink, Float32, 4), pa, pb, ptr(out), ptr(sink, Float32, 4),
@@ -874,7 +876,7 @@ def _launch(kv_fmt, q, idx, sink, src_a, src_b, n_a, n_b, scale, num_splits, bn,
     return out[:, :H]
 
 
-def sparse_attn_bf16(q, kv, idx, sink, scale: float, num_splits: int | None = None, bn: int = 32):
+def sparse_attn_bf16(q, kv, idx, sink, scale: float, num_splits: int | None = None, bn: int | None = None):
     """q [S, H, 512] bf16, kv [N, 512] bf16 rows, idx [S, K] rows of kv (-1 skip), sink [H] -> o [S, H, 512]."""
     kv = kv.contiguous()
     if kv.dtype.itemsize != 2 or kv.dim() != 2 or kv.size(1) != 512:
@@ -898,7 +900,7 @@ def dequant_first(S: int, K: int, cache_rows: int) -> bool:
 
 
 def sparse_attn_fp8(q, idx, sink, cache_a, scale: float, cache_b=None, num_splits: int | None = None,
-                    bn: int = 32, dequant: str = "auto"):
+                    bn: int | None = None, dequant: str = "auto"):
     """q [S, H, 512] bf16; cache_a / cache_b: FP8 caches [.., 584] uint8 (kernels/kv_cache.py layout, e.g.
     [num_blocks, block_size, 584]); idx [S, K] flat slots: v < slots(cache_a) reads cache_a slot v, larger v
     read cache_b slot v - slots(cache_a); -1 skips. -> o [S, H, 512] bf16.

@@ -78,7 +78,9 @@ def test_kernel_follows_its_cpu_model():
     p = C.make_prefill("flash", "hca", 1500, seed=4)
     q, idx = p["q"][-64:], p["idx"][-64:]
     got = SA.sparse_attn_bf16(q, p["kv"], idx, p["sink"], 512 ** -0.5, 1)
-    model = SA.emulate(q, SA.rows_from_bf16(p["kv"]), idx, p["sink"], 512 ** -0.5)
+    cfg = SA.launch_config("bf16")                                   # the model of the default configuration
+    model = SA.emulate(q, SA.rows_from_bf16(p["kv"]), idx, p["sink"], 512 ** -0.5, bn=cfg["bn"],
+                       scores=cfg.get("scores", "dims"))
     assert C.cos(got, model) >= 0.99999
     assert float((got.float() - model.float()).abs().max()) <= 2 ** -7 * float(model.float().abs().max())
 
