@@ -96,8 +96,9 @@ class SparseAttn:
             raise ValueError("sparse_attn: pipelined consumers are built for kv='bf16' only")
         if scores not in ("dims", "keys"):
             raise ValueError(f"sparse_attn: scores must be 'dims' or 'keys', not {scores!r}")
-        if scores == "keys" and (pipelined or bn < 32):
-            raise ValueError("sparse_attn: scores='keys' is built for plain consumers and bn >= 32")
+        if scores == "keys" and (pipelined or bn != 64):
+            # the scheme written, compile-checked and tested: 32 keys a consumer, no third tile stage to pipeline
+            raise ValueError("sparse_attn: scores='keys' is built for plain consumers and bn=64")
         self.kv, self.bn, self.split, self.pipelined, self.scores = kv, bn, split, pipelined, scores
         self.bn_s = bn // 2 if scores == "keys" else bn       # keys a consumer scores per block
         self.nope, self.rope, self.d = nope, rope, nope + rope

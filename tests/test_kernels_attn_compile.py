@@ -53,6 +53,8 @@ def test_wgmma_kernel_is_hopper_only_and_configs_are_checked():
         sparse_attn.SparseAttn(kv="fp8", bn=64, lookahead=4)
     with pytest.raises(ValueError, match="plain consumers"):
         sparse_attn.SparseAttn(kv="bf16", bn=64, scores="keys", pipelined=True)
+    with pytest.raises(ValueError, match="bn=64"):
+        sparse_attn.SparseAttn(kv="bf16", bn=32, scores="keys")
     assert sparse_attn.SparseAttn(kv="bf16", bn=64, lookahead=1).xchg_bufs == 1      # 64 KB tiles: one buffer
     assert sparse_attn.SparseAttn(kv="bf16", bn=32, lookahead=1).xchg_bufs == 2
 
