@@ -100,7 +100,8 @@ class SparseAttn:
             # the scheme written, compile-checked and tested: 32 keys a consumer, no third tile stage to pipeline
             raise ValueError("sparse_attn: scores='keys' is built for plain consumers and bn=64")
         self.kv, self.bn, self.split, self.pipelined, self.scores = kv, bn, split, pipelined, scores
-        self.bn_s = bn // 2 if scores == "keys" else bn       # keys a consumer scores per block
+        self.key_split = scores == "keys"                     # consumers split the keys, not the dims
+        self.bn_s = bn // 2 if self.key_split else bn         # keys a consumer scores per block
         self.nope, self.rope, self.d = nope, rope, nope + rope
         self.half = self.d // 2                               # 256 output dims per consumer warpgroup
         # fp8: raw ring of lookahead + 1 blocks in flight, two dequantised stages;
@@ -165,7 +166,7 @@ class SparseAttn:
             (1, 1, 1), tiler_mn=(HEADS, self.half), a_source=warpgroup.OperandSource.RMEM)
 
         s_vals = HEADS * self.bn_s // 128                     # score values a consumer thread holds
-        keys = self.scores == "keys"
+        keys = self.key_split
         raw_n = max(self.raw_stages, 1)
         raw_words = self.raw_stages * self.bn * ROW_WORDS if self.kv == "fp8" else 2
 
@@ -385,7 +386,7 @@ class SparseAttn:
                  tiled_mma_pv: cute.TiledMma, ctid: Int32, c: Int32, hg: Int32, tok: Int32, split: Int32,
                  K: Int32, blk0: Int32, nblk: Int32, scale_log2: Float32):
         bn, half, bn_s = self.bn, self.half, self.bn_s
-        keys = self.scores == "keys"
+        keys = self.key_split
         cons_bar = pipeline.NamedBarrier(barrier_id=2, num_threads=256)
         s_vals = HEADS * bn_s // 128
         sPw = None
@@ -564,7 +565,7 @@ class SparseAttn:
         so both hold the identical S; keys: each holds its own keys' scores, and the block row maxima are
         exchanged, so both use the identical running max (fmax commutes)."""
         s_vals = cute.size(acc_S)
-        keys = self.scores == "keys"
+        keys = self.key_split
         col0 = 0
         if cutlass.const_expr(keys):
             col0 = c * self.bn_s
