@@ -99,7 +99,7 @@ class SparseAttn:
         if scores == "keys" and (pipelined or bn != 64):
             # the scheme written, compile-checked and tested: 32 keys a consumer, no third tile stage to pipeline
             raise ValueError("sparse_attn: scores='keys' is built for plain consumers and bn=64")
-        self.kv, self.bn, self.split, self.pipelined, self.scores = kv, bn, split, pipelined, scores
+        self.kv, self.bn, self.split, self.pipelined = kv, bn, split, pipelined
         self.key_split = scores == "keys"                     # consumers split the keys, not the dims
         self.bn_s = bn // 2 if self.key_split else bn         # keys a consumer scores per block
         self.nope, self.rope, self.d = nope, rope, nope + rope
